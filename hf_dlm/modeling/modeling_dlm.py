@@ -1,0 +1,353 @@
+"""The DLM model family: a Llama / Qwen3 decoder stack whose attention is bidirectional, causal or
+block-causal, with a masked-only training head."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutput
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+from transformers.utils import ModelOutput
+
+from .configuration_dlm import DLMConfig
+from .generation_dlm import DLMGenerationMixin
+from .loss import masked_lm_loss
+from .masks import build_attention_mask
+
+
+class DLMRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class DLMRotaryEmbedding(nn.Module):
+    """RoPE through transformers' rope utilities (default, linear, dynamic, yarn, llama3, ...)."""
+
+    def __init__(self, config: DLMConfig):
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: DLMConfig, **kwargs) -> tuple[torch.Tensor, float]:
+        base, dim = config.rope_parameters["rope_theta"], config.head_dim
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)  # (B, L, d/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+class DLMMLP(nn.Module):
+    def __init__(self, config: DLMConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """The reference attention. query (B, nh, Q, hd), key / value (B, nkv, K, hd), additive mask (B, 1, Q, K)."""
+    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def sdpa_backend_context(backends: list[str], device: torch.device):
+    """Prefer SDPA backends in the configured order on CUDA (cuDNN first by default: fastest measured)."""
+    if device.type != "cuda" or not backends:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return sdpa_kernel([names[b] for b in backends], set_priority=True)
+
+
+class DLMAttention(nn.Module):
+    def __init__(self, config: DLMConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        # sdpa and flash read this when no mask is passed; block mode always passes one
+        self.is_causal = config.attention_mode == "causal"
+        qkv_bias = config.attention_bias or config.qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
+        )
+        if config.qk_norm:
+            self.q_norm = DLMRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = DLMRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape)  # (B, L, nh, hd)
+        key = self.k_proj(hidden_states).view(hidden_shape)  # (B, L, nkv, hd)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, nkv, L, hd)
+        if self.config.qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+
+        implementation = self.config._attn_implementation or "eager"
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        context = sdpa_backend_context(self.config.sdpa_backends, query.device) if implementation == "sdpa" else nullcontext()
+        with context:
+            output, weights = attention(
+                self, query, key, value, attention_mask,
+                dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling, **kwargs,
+            )
+        return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
+
+
+class DLMDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: DLMConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DLMAttention(config, layer_idx)
+        self.mlp = DLMMLP(config)
+        self.input_layernorm = DLMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DLMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, **kwargs
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DLMPreTrainedModel(PreTrainedModel):
+    config_class = DLMConfig
+    config: DLMConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DLMDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    # flash-attn kernels take padding and packing but no block masks; block mode rejects them at forward
+    _supports_flash_attn = True
+    # the samplers keep their own caches (prefix / dual / block), not transformers' Cache classes
+    _supports_cache_class = False
+    _can_compile_fullgraph = False  # the masked-only head gathers a data-dependent number of rows
+    _supports_attention_backend = True
+
+
+class DLMModel(DLMPreTrainedModel):
+    def __init__(self, config: DLMConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([DLMDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = DLMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = DLMRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        clean_input_ids: torch.LongTensor | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutput:
+        """
+        input_ids (B, L); attention_mask (B, L) with 0 for padding; position_ids (B, L): passing them
+        marks packed documents (a restart at 0 starts a new document, and attention never crosses one);
+        without them positions count real tokens, so left padding does not shift a row's positions.
+        clean_input_ids (B, L): block-diffusion training only; the clean sequence x_0 joins the noisy
+        input as a second stream (BD3LM layout) and only the noisy stream's states are returned.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("DLMModel.forward takes exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch_size, seq_len = inputs_embeds.shape[:2]
+        packed = position_ids is not None
+        if position_ids is None:
+            if attention_mask is not None and attention_mask.dim() == 2:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            else:
+                position_ids = torch.arange(seq_len, device=inputs_embeds.device).expand(batch_size, -1)
+
+        two_stream = clean_input_ids is not None
+        key_padding, rope_positions = attention_mask, position_ids
+        if two_stream:
+            if self.config.attention_mode != "block":
+                raise ValueError("clean_input_ids (two-stream training input) needs attention_mode='block'")
+            inputs_embeds = torch.cat([inputs_embeds, self.embed_tokens(clean_input_ids)], dim=1)
+            rope_positions = torch.cat([position_ids, position_ids], dim=1)
+            if attention_mask is not None and attention_mask.dim() == 2:
+                key_padding = torch.cat([attention_mask, attention_mask], dim=1)
+
+        mask = build_attention_mask(
+            self.config._attn_implementation or "eager",
+            self.config.attention_mode,
+            self.config.block_size,
+            batch_size,
+            inputs_embeds.shape[1],
+            inputs_embeds.shape[1],
+            inputs_embeds.device,
+            inputs_embeds.dtype,
+            attention_mask=key_padding,
+            position_ids=position_ids,
+            packed=packed,
+            two_stream=two_stream,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, rope_positions)
+        all_hidden_states = () if output_hidden_states else None
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states[:, :seq_len],)
+            hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings, **kwargs)
+        hidden_states = self.norm(hidden_states[:, :seq_len])
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        return BaseModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states)
+
+
+@dataclass
+class DiffusionLMOutput(ModelOutput):
+    """loss: the weighted masked cross-entropy; num_loss_tokens: supervised positions in this batch;
+    logits: (B, L, V), left out of a training forward unless `return_logits=True`."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    num_loss_tokens: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: DLMConfig):
+        super().__init__(config)
+        self.model = DLMModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        label_weights: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        clean_input_ids: torch.LongTensor | None = None,
+        return_logits: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> DiffusionLMOutput:
+        """
+        labels (B, L): the target predicted from each position's logits, -100 where no loss (build them
+        with `hf_dlm.MaskedDiffusionObjective`, which also applies `label_alignment`); label_weights
+        (B, L): per-position loss weights (the diffusion ELBO weight); num_items_in_batch: the loss
+        normaliser (default: the number of supervised positions). With labels, only the supervised
+        positions' logits are computed, in chunks of `config.loss_chunk_size`.
+        """
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            clean_input_ids=clean_input_ids,
+            output_hidden_states=output_hidden_states,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        loss = num_loss_tokens = logits = None
+        if labels is not None:
+            loss, num_loss_tokens = masked_lm_loss(
+                hidden_states, self.lm_head, labels, label_weights, num_items_in_batch, self.config.loss_chunk_size
+            )
+        if labels is None or return_logits:
+            logits = self.lm_head(hidden_states)
+        return DiffusionLMOutput(
+            loss=loss, logits=logits, num_loss_tokens=num_loss_tokens, hidden_states=outputs.hidden_states
+        )
+
+    def denoising_logits(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """Logits aligned with token positions, whatever `label_alignment`: entry i predicts token i.
+        With shifted alignment the logits at i-1 predict token i; position 0 repeats its own row."""
+        logits = self(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        if self.config.label_alignment == "shift":
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        return logits
+
+
+__all__ = ["DLMPreTrainedModel", "DLMModel", "DLMForDiffusionLM", "DiffusionLMOutput"]

@@ -1,0 +1,224 @@
+"""The masked (absorbing-state) diffusion objective, with the conventions of LLaDA, MDLM and MegaDLMs.
+
+`corrupt` turns clean token ids into the model inputs of one step: the noisy ids x_t, labels (-100
+where no loss, already in the model's label alignment), per-position weights and the normaliser.
+Every random number comes from (seed, global sample index, position), so a sample gets the same
+noise whatever the world size, micro-batch split or resume point.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+from ..modeling.loss import IGNORE_INDEX
+from .noise import hashed_uniform
+
+SCHEDULES = ("linear", "cosine")
+WEIGHTINGS = ("elbo", "measured", "uniform")
+T_SAMPLINGS = ("uniform", "antithetic")
+NORMALIZATIONS = ("token", "sequence", "batch")
+MODES = ("diffusion", "ar")
+
+# random streams of hashed_uniform
+_T, _MASK, _CUT, _CUT_LENGTH = 0, 1, 2, 3
+
+PRESETS = {
+    # LLaDA pretraining: t ~ U[eps, 1), weight 1/t, loss / (B * L)
+    "llada": dict(schedule="linear", weighting="elbo", t_sampling="uniform", eps=1e-3, normalization="batch",
+                  random_length_prob=0.01),
+    # MDLM: antithetic t, continuous-time ELBO weight, mean over supervised tokens
+    "mdlm": dict(schedule="linear", weighting="elbo", t_sampling="antithetic", eps=1e-3, normalization="token"),
+    # MegaDLMs: weight by the measured masked fraction, no eps, at least one masked token, 1% random lengths
+    "megadlms": dict(schedule="linear", weighting="measured", t_sampling="uniform", eps=0.0, normalization="batch",
+                     at_least_one_masked=True, random_length_prob=0.01),
+    # autoregressive LM: causal attention, next-token CE on every token
+    "ar": dict(mode="ar", normalization="token"),
+}
+
+
+@dataclass
+class MaskedDiffusionObjective:
+    """Options of the objective (see ../shared REFERENCE §1 for where each convention comes from).
+
+    mask_token_id: the absorbing state. schedule: alpha(t) = 1 - t ("linear") or cos(pi t / 2)
+    ("cosine"); a token is masked with probability 1 - alpha(t). weighting: "elbo" (-alpha'/(1-alpha),
+    1/t for linear), "measured" (maskable / masked count of the row, MegaDLMs) or "uniform".
+    t_sampling: "uniform" (t ~ U[eps, 1)) or "antithetic" (t = eps + (1-eps)((u + j/G) mod 1) within
+    groups of `antithetic_group_size` consecutive global sample indices). normalization: "batch"
+    (divide by B * L, LLaDA pretraining), "token" (by the number of supervised tokens) or "sequence"
+    (each row by its maskable length, then mean over rows: LLaDA SFT). label_alignment: "same" or
+    "shift" (logits at i-1 predict token i; position 0 is then never masked).
+    at_least_one_masked: force one masked token in every row that has maskable tokens.
+    random_length_prob: each sample is cut, with this probability, to a random length in [2, L] (by
+    the attention mask, per sample, so the cut is independent of the batch layout too).
+    mode: "diffusion" or "ar" (next-token CE on every real token; the model must be causal).
+    """
+
+    mask_token_id: int | None = None
+    schedule: str = "linear"
+    weighting: str = "elbo"
+    t_sampling: str = "uniform"
+    antithetic_group_size: int = 64
+    eps: float = 1e-3
+    normalization: str = "batch"
+    label_alignment: str = "same"
+    at_least_one_masked: bool = False
+    random_length_prob: float = 0.0
+    mode: str = "diffusion"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name, allowed in (("schedule", SCHEDULES), ("weighting", WEIGHTINGS), ("t_sampling", T_SAMPLINGS),
+                              ("normalization", NORMALIZATIONS), ("mode", MODES),
+                              ("label_alignment", ("same", "shift"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"MaskedDiffusionObjective.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not 0.0 <= self.eps < 1.0:
+            raise ValueError(f"MaskedDiffusionObjective.eps must lie in [0, 1), got {self.eps}")
+        if not 0.0 <= self.random_length_prob <= 1.0:
+            raise ValueError(f"MaskedDiffusionObjective.random_length_prob must lie in [0, 1], got {self.random_length_prob}")
+        if self.antithetic_group_size < 1:
+            raise ValueError("MaskedDiffusionObjective.antithetic_group_size must be positive")
+        if self.mode == "diffusion" and self.mask_token_id is None:
+            raise ValueError("MaskedDiffusionObjective.mask_token_id is required in diffusion mode")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "MaskedDiffusionObjective":
+        if name not in PRESETS:
+            raise ValueError(f"unknown objective preset {name!r}; choose from {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_model_config(cls, config, preset: str | None = None, **overrides) -> "MaskedDiffusionObjective":
+        """Takes mask_token_id and label_alignment from a DLMConfig (AR mode for causal models)."""
+        base = dict(mask_token_id=config.mask_token_id, label_alignment=config.label_alignment)
+        if preset is None and config.attention_mode == "causal":
+            preset = "ar"
+        options = {**PRESETS.get(preset, {}), **base, **overrides} if preset else {**base, **overrides}
+        return cls(**options)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    # -- schedule ------------------------------------------------------------------------------
+    def alpha(self, t: torch.Tensor) -> torch.Tensor:
+        return 1 - t if self.schedule == "linear" else torch.cos(math.pi * t / 2)
+
+    def mask_probability(self, t: torch.Tensor) -> torch.Tensor:
+        return 1 - self.alpha(t)
+
+    def elbo_weight(self, t: torch.Tensor) -> torch.Tensor:
+        """-alpha'(t) / (1 - alpha(t))."""
+        if self.schedule == "linear":
+            return 1 / t
+        half = math.pi * t / 2
+        return (math.pi / 2) * torch.sin(half) / (1 - torch.cos(half))
+
+    def sample_t(self, sample_index: torch.Tensor) -> torch.Tensor:
+        if self.t_sampling == "uniform":
+            u = hashed_uniform(self.seed, _T, sample_index)
+        else:
+            group = torch.div(sample_index, self.antithetic_group_size, rounding_mode="floor")
+            offset = (sample_index % self.antithetic_group_size).float() / self.antithetic_group_size
+            u = torch.remainder(hashed_uniform(self.seed, _T, group) + offset, 1.0)
+        return self.eps + (1 - self.eps) * u
+
+    # -- one training step's inputs -------------------------------------------------------------
+    def corrupt(
+        self,
+        input_ids: torch.Tensor,
+        sample_index: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        prompt_mask: torch.Tensor | None = None,
+    ) -> dict:
+        """input_ids (B, L) clean tokens; sample_index (B,) global sample indices (unique per draw: a
+        new epoch must give new indices); attention_mask (B, L) 0 for padding; prompt_mask (B, L) True
+        for prompt tokens (never masked, no loss). Returns the model's keyword arguments (input_ids,
+        attention_mask, labels, label_weights, num_items_in_batch) plus `t` and `masked` for logging."""
+        batch, length = input_ids.shape
+        device = input_ids.device
+        sample_index = sample_index.to(device)
+        positions = torch.arange(length, device=device)
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        if self.random_length_prob > 0:
+            cut = hashed_uniform(self.seed, _CUT, sample_index) < self.random_length_prob
+            cut_length = 2 + (hashed_uniform(self.seed, _CUT_LENGTH, sample_index) * (length - 1)).long()
+            keep = positions.unsqueeze(0) < torch.where(cut, cut_length, length).unsqueeze(1)
+            valid = valid & keep
+            attention_mask = valid.long() if (attention_mask is not None or bool((~keep).any())) else None
+        supervised = valid if prompt_mask is None else valid & ~prompt_mask.bool()
+        if self.mode == "ar":
+            return self._ar_inputs(input_ids, attention_mask, supervised)
+        if self.label_alignment == "shift":
+            supervised = supervised & (positions > 0).unsqueeze(0)
+
+        t = self.sample_t(sample_index)  # (B,)
+        u = hashed_uniform(self.seed, _MASK, sample_index, positions)  # (B, L)
+        masked = (u < self.mask_probability(t).unsqueeze(1)) & supervised
+        if self.at_least_one_masked:
+            none = ~masked.any(1) & supervised.any(1)
+            forced = torch.where(supervised, u, 2.0).argmin(1)
+            masked = masked | (none.unsqueeze(1) & (positions.unsqueeze(0) == forced.unsqueeze(1)))
+
+        maskable = supervised.sum(1).clamp(min=1).float()
+        if self.weighting == "elbo":
+            weight = self.elbo_weight(t)
+        elif self.weighting == "measured":
+            weight = maskable / masked.sum(1).clamp(min=1).float()
+        else:
+            weight = torch.ones_like(t)
+        if self.normalization == "sequence":
+            weight = weight / maskable
+            num_items = batch
+        elif self.normalization == "batch":
+            num_items = batch * length
+        else:
+            num_items = int(masked.sum())
+
+        labels = torch.where(masked, input_ids, IGNORE_INDEX)
+        weights = torch.where(masked, weight.unsqueeze(1), 0.0)
+        if self.label_alignment == "shift":
+            labels, weights = _shift_left(labels, IGNORE_INDEX), _shift_left(weights, 0.0)
+        return dict(
+            input_ids=torch.where(masked, self.mask_token_id, input_ids),
+            attention_mask=attention_mask,
+            labels=labels,
+            label_weights=weights,
+            num_items_in_batch=num_items,
+            t=t,
+            masked=masked,
+        )
+
+    def _ar_inputs(self, input_ids, attention_mask, supervised) -> dict:
+        labels = _shift_left(torch.where(supervised, input_ids, IGNORE_INDEX), IGNORE_INDEX)
+        return dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            labels=labels,
+            label_weights=None,
+            num_items_in_batch=int((labels != IGNORE_INDEX).sum()),
+            t=None,
+            masked=None,
+        )
+
+    def __call__(self, model, input_ids, sample_index, attention_mask=None, prompt_mask=None, **forward_kwargs):
+        """Corrupt and run the model; returns (loss, the corrupted inputs)."""
+        inputs = self.corrupt(input_ids, sample_index, attention_mask, prompt_mask)
+        if self.mode == "ar" and getattr(model.config, "attention_mode", "causal") != "causal":
+            raise ValueError("the AR objective needs a model with attention_mode='causal'")
+        model_inputs = {k: v for k, v in inputs.items() if k not in ("t", "masked")}
+        if getattr(model.config, "attention_mode", None) == "block" and self.mode == "diffusion":
+            model_inputs["clean_input_ids"] = input_ids  # two-stream block-diffusion training
+        return model(**model_inputs, **forward_kwargs).loss, inputs
+
+
+def _shift_left(x: torch.Tensor, fill) -> torch.Tensor:
+    """x[:, j] <- x[:, j + 1]: the target of position j is token j + 1."""
+    return torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], dim=1)

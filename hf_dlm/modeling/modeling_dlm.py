@@ -126,7 +126,7 @@ class DLMAttention(nn.Module):
             self.q_norm = DLMRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = DLMRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, kv_cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape)  # (B, L, nh, hd)
@@ -136,6 +136,8 @@ class DLMAttention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        if kv_cache is not None:  # sampler cache (generation_cache.DLMKVCache): splice in the cached keys
+            key, value = kv_cache.update(self.layer_idx, key, value)
 
         implementation = self.config._attn_implementation or "eager"
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
@@ -206,6 +208,7 @@ class DLMModel(DLMPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         clean_input_ids: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
+        kv_cache=None,
         **kwargs,
     ) -> BaseModelOutput:
         """
@@ -214,7 +217,11 @@ class DLMModel(DLMPreTrainedModel):
         without them positions count real tokens, so left padding does not shift a row's positions.
         clean_input_ids (B, L): block-diffusion training only; the clean sequence x_0 joins the noisy
         input as a second stream (BD3LM layout) and only the noisy stream's states are returned.
+        kv_cache: a `generation_cache.DLMKVCache` (samplers only); the input is then the cache's query
+        window, and the cache supplies positions, key padding and the other keys.
         """
+        if kv_cache is not None:
+            return self._forward_with_cache(input_ids, inputs_embeds, kv_cache, **kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("DLMModel.forward takes exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
@@ -262,6 +269,28 @@ class DLMModel(DLMPreTrainedModel):
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
         return BaseModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states)
+
+    def _forward_with_cache(self, input_ids, inputs_embeds, kv_cache, **kwargs) -> BaseModelOutput:
+        """Queries are canvas slots [start, start + Q) of the cache; keys are the cache's slots
+        [0, key_end) with the query slots recomputed (queries sit at the end of the keys, or, for
+        bidirectional dual caching, anywhere: only the padded-query self-clause reads the offset)."""
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch_size, query_len = inputs_embeds.shape[:2]
+        position_ids = kv_cache.position_ids[:, kv_cache.start : kv_cache.start + query_len]
+        mask = build_attention_mask(
+            self.config._attn_implementation or "eager", self.config.attention_mode, self.config.block_size,
+            batch_size, query_len, kv_cache.key_end, inputs_embeds.device, inputs_embeds.dtype,
+            attention_mask=kv_cache.attention_mask[:, : kv_cache.key_end],
+            position_ids=kv_cache.position_ids[:, : kv_cache.key_end],
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states, attention_mask=mask, position_embeddings=position_embeddings, kv_cache=kv_cache, **kwargs
+            )
+        return BaseModelOutput(last_hidden_state=self.norm(hidden_states))
 
 
 @dataclass
@@ -311,6 +340,7 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
         clean_input_ids: torch.LongTensor | None = None,
         return_logits: bool | None = None,
         output_hidden_states: bool | None = None,
+        kv_cache=None,
         **kwargs,
     ) -> DiffusionLMOutput:
         """
@@ -327,6 +357,7 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
             inputs_embeds=inputs_embeds,
             clean_input_ids=clean_input_ids,
             output_hidden_states=output_hidden_states,
+            **({"kv_cache": kv_cache} if kv_cache is not None else {}),
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state

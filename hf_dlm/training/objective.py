@@ -180,7 +180,7 @@ class MaskedDiffusionObjective:
         elif self.normalization == "batch":
             num_items = batch * length
         else:
-            num_items = int(masked.sum())
+            num_items = max(int(masked.sum()), 1)  # a batch with nothing masked has loss 0, not nan
 
         labels = torch.where(masked, input_ids, IGNORE_INDEX)
         weights = torch.where(masked, weight.unsqueeze(1), 0.0)
@@ -216,7 +216,8 @@ class MaskedDiffusionObjective:
         model_inputs = {k: v for k, v in inputs.items() if k not in ("t", "masked")}
         if getattr(model.config, "attention_mode", None) == "block" and self.mode == "diffusion":
             model_inputs["clean_input_ids"] = input_ids  # two-stream block-diffusion training
-        return model(**model_inputs, **forward_kwargs).loss, inputs
+        model_inputs.update(forward_kwargs)  # e.g. a global num_items_in_batch over micro-batches
+        return model(**model_inputs).loss, inputs
 
 
 def _shift_left(x: torch.Tensor, fill) -> torch.Tensor:

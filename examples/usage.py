@@ -1,0 +1,40 @@
+"""Load a DLM checkpoint, compute the masked-diffusion loss of a sentence and sample from it.
+
+    python examples/usage.py outputs/quickstart
+"""
+
+import argparse
+
+import torch
+from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+import hf_dlm  # noqa: F401  (registers model_type "dlm" with the Auto classes)
+from hf_dlm import MaskedDiffusionObjective
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", help="checkpoint folder (model + tokenizer)")
+    parser.add_argument("--prompt", default="The for statement is used to")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+
+    model = AutoModelForMaskedLM.from_pretrained(args.path)
+    tokenizer = AutoTokenizer.from_pretrained(args.path)
+
+    objective = MaskedDiffusionObjective.from_model_config(model.config, preset="mdlm")
+    batch = tokenizer(["The with statement is used to wrap a block."] * 8, return_tensors="pt")
+    loss, inputs = objective(model, batch["input_ids"], sample_index=torch.arange(8))  # 8 noise levels
+    print(f"loss {loss.item():.3f} on {int(inputs['masked'].sum())} masked tokens")
+
+    model.eval()
+    prompt = tokenizer(args.prompt, return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=args.max_new_tokens, steps=args.max_new_tokens,
+                         block_length=args.max_new_tokens // 2, temperature=0.0)
+    completion = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    print(f"{args.prompt!r} -> {completion!r}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

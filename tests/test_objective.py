@@ -1,0 +1,188 @@
+import math
+
+import pytest
+import torch
+
+from hf_dlm import MaskedDiffusionObjective
+from hf_dlm.training.elbo import elbo_nll
+from hf_dlm.training.noise import hashed_uniform
+
+from .conftest import MASK_ID, VOCAB, tiny_model
+
+IDS = torch.arange(40).view(4, 10) + 1
+
+
+def _objective(**kwargs):
+    return MaskedDiffusionObjective(mask_token_id=MASK_ID, **kwargs)
+
+
+def test_hashed_uniform_is_stateless_uniform_and_keyed():
+    index = torch.arange(2000)
+    u = hashed_uniform(7, 1, index)
+    assert torch.equal(u, hashed_uniform(7, 1, index))
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.03
+    assert not torch.equal(u, hashed_uniform(8, 1, index)) and not torch.equal(u, hashed_uniform(7, 2, index))
+    grid = hashed_uniform(7, 1, index[:3], torch.arange(5))
+    assert grid.shape == (3, 5) and len(set(grid.flatten().tolist())) == 15
+    big = torch.tensor([2**40 + 3, 3])  # indices past 32 bits stay distinct
+    assert hashed_uniform(0, 0, big)[0] != hashed_uniform(0, 0, big)[1]
+
+
+def test_linear_elbo_hand_computed():
+    """t from the hash, mask iff u < t, weight 1/t, labels at masked positions, loss / (B * L)."""
+    objective = _objective(eps=1e-3)
+    index = torch.tensor([5, 6, 7, 8])
+    out = objective.corrupt(IDS, index)
+    t = 1e-3 + (1 - 1e-3) * hashed_uniform(0, 0, index)
+    u = hashed_uniform(0, 1, index, torch.arange(10))
+    masked = u < t.unsqueeze(1)
+    torch.testing.assert_close(out["t"], t)
+    assert torch.equal(out["masked"], masked)
+    assert torch.equal(out["input_ids"], torch.where(masked, MASK_ID, IDS))
+    assert torch.equal(out["labels"], torch.where(masked, IDS, -100))
+    torch.testing.assert_close(out["label_weights"], torch.where(masked, 1 / t.unsqueeze(1), 0.0))
+    assert out["num_items_in_batch"] == 40
+
+
+def test_cosine_schedule_weight_is_minus_alpha_prime_over_one_minus_alpha():
+    objective = _objective(schedule="cosine")
+    t = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    h = 1e-6
+    alpha_prime = (objective.alpha(t + h) - objective.alpha(t - h)) / (2 * h)
+    torch.testing.assert_close(objective.elbo_weight(t), -alpha_prime / (1 - objective.alpha(t)))
+    torch.testing.assert_close(objective.mask_probability(t), 1 - torch.cos(math.pi * t / 2))
+
+
+def test_normalisations_and_measured_weighting():
+    index = torch.arange(4)
+    token = _objective(normalization="token", weighting="uniform").corrupt(IDS, index)
+    assert token["num_items_in_batch"] == int(token["masked"].sum())
+    measured = _objective(weighting="measured").corrupt(IDS, index)
+    k = measured["masked"].sum(1).clamp(min=1).float()
+    expected = torch.where(measured["masked"], (10 / k).unsqueeze(1), 0.0)
+    torch.testing.assert_close(measured["label_weights"], expected)
+    prompt = torch.zeros_like(IDS, dtype=torch.bool)
+    prompt[:, :4] = True
+    sequence = _objective(normalization="sequence").corrupt(IDS, index, prompt_mask=prompt)
+    t = sequence["t"].unsqueeze(1)
+    torch.testing.assert_close(sequence["label_weights"], torch.where(sequence["masked"], 1 / t / 6, 0.0))
+    assert sequence["num_items_in_batch"] == 4
+
+
+def test_prompt_and_padding_are_never_masked():
+    attention = torch.ones_like(IDS)
+    attention[:, 8:] = 0
+    prompt = torch.zeros_like(IDS, dtype=torch.bool)
+    prompt[:, :3] = True
+    out = _objective(eps=0.99).corrupt(IDS, torch.arange(4), attention_mask=attention, prompt_mask=prompt)
+    assert not out["masked"][:, :3].any() and not out["masked"][:, 8:].any()
+    assert out["masked"][:, 3:8].all()  # t >= 0.99 masks nearly everything maskable
+
+
+def test_antithetic_t_is_evenly_spread_within_a_group():
+    objective = _objective(t_sampling="antithetic", antithetic_group_size=8, eps=0.0)
+    t = objective.sample_t(torch.arange(16))
+    first = torch.sort(t[:8]).values
+    torch.testing.assert_close(first[1:] - first[:-1], torch.full((7,), 1 / 8), rtol=0, atol=1e-6)
+    assert not torch.allclose(t[:8], t[8:])
+
+
+def test_at_least_one_masked():
+    class TinyT(MaskedDiffusionObjective):
+        def sample_t(self, sample_index):
+            return torch.full(sample_index.shape, 1e-9)
+
+    out = TinyT(mask_token_id=MASK_ID, at_least_one_masked=True).corrupt(IDS, torch.arange(4))
+    assert torch.equal(out["masked"].sum(1), torch.ones(4, dtype=torch.long))
+    plain = TinyT(mask_token_id=MASK_ID).corrupt(IDS, torch.arange(4))
+    assert not plain["masked"].any()
+
+
+def test_shift_alignment_moves_labels_left_and_never_masks_position_zero():
+    out = _objective(label_alignment="shift", eps=0.99).corrupt(IDS, torch.arange(4))
+    assert not out["masked"][:, 0].any()
+    assert torch.equal(out["labels"][:, :-1], torch.where(out["masked"][:, 1:], IDS[:, 1:], -100))
+    assert (out["labels"][:, -1] == -100).all()
+
+
+def test_random_length_cuts_each_sample_by_its_attention_mask():
+    out = _objective(random_length_prob=1.0, eps=0.99).corrupt(IDS, torch.arange(4))
+    lengths = out["attention_mask"].sum(1)
+    assert ((lengths >= 2) & (lengths <= 10)).all()
+    beyond = torch.arange(10).unsqueeze(0) >= lengths.unsqueeze(1)
+    assert not out["masked"][beyond].any()
+    assert (out["attention_mask"].cumsum(1).amax(1) == lengths).all()  # a prefix is kept
+
+
+def test_ar_mode_is_next_token_cross_entropy():
+    model = tiny_model(attention_mode="causal", label_alignment="shift")
+    objective = MaskedDiffusionObjective.from_model_config(model.config)
+    assert objective.mode == "ar"
+    ids = torch.randint(0, VOCAB - 1, (2, 9))
+    loss, inputs = objective(model, ids, torch.arange(2))
+    logits = model(ids).logits
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(loss, expected)
+    with pytest.raises(ValueError, match="causal"):
+        objective(tiny_model(), ids, torch.arange(2))
+
+
+def test_same_noise_whatever_the_micro_batch_or_rank_split():
+    objective = _objective(t_sampling="antithetic", antithetic_group_size=4)
+    index = torch.arange(100, 104)
+    whole = objective.corrupt(IDS, index)
+    halves = [objective.corrupt(IDS[s], index[s]) for s in (slice(0, 2), slice(2, 4))]
+    ranks = [objective.corrupt(IDS[r::2], index[r::2]) for r in (0, 1)]
+    for key in ("input_ids", "labels", "label_weights"):
+        assert torch.equal(whole[key], torch.cat([h[key] for h in halves]))
+        interleaved = torch.stack([ranks[0][key], ranks[1][key]], 1).flatten(0, 1)
+        assert torch.equal(whole[key], interleaved)
+
+
+def test_micro_batches_with_the_global_normaliser_sum_to_the_full_batch_loss():
+    model = tiny_model()
+    objective = _objective(normalization="token")
+    index = torch.arange(4)
+    full, inputs = objective(model, IDS, index)
+    total = inputs["num_items_in_batch"]
+    parts = [objective(model, IDS[s], index[s], num_items_in_batch=total)[0] for s in (slice(0, 1), slice(1, 4))]
+    # `num_items_in_batch` passed explicitly overrides the per-micro-batch count
+    torch.testing.assert_close(sum(parts), full, rtol=1e-6, atol=1e-6)
+
+
+def test_a_fixed_batch_overfits():
+    model = tiny_model("sdpa").train()
+    objective = _objective(normalization="token", weighting="uniform")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    ids = torch.randint(0, VOCAB - 1, (4, 12), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for step in range(600):  # fresh masks every step: the model must memorise the 4 rows
+        loss, _ = objective(model, ids, torch.arange(4) + 4 * step)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert sum(losses[-20:]) / 20 < 0.35 * sum(losses[:10]) / 10
+
+
+def test_elbo_of_a_uniform_model_is_log_vocab_and_seeded():
+    model = tiny_model()
+    torch.nn.init.zeros_(model.lm_head.weight)  # every logit 0: CE = log V on every masked token
+    ids = torch.randint(0, VOCAB - 1, (3, 16))
+    result = elbo_nll(model, ids, mc_num=4)
+    assert result["nll_per_token"] == pytest.approx(math.log(VOCAB), rel=1e-5)
+    assert result["num_tokens"] == 48
+    trained = tiny_model(seed=3)
+    a, b = elbo_nll(trained, ids, mc_num=4, seed=1), elbo_nll(trained, ids, mc_num=4, seed=1)
+    assert a["nll_per_token"] == b["nll_per_token"]
+
+
+def test_bad_options_name_the_field():
+    with pytest.raises(ValueError, match="weighting"):
+        _objective(weighting="sqrt")
+    with pytest.raises(ValueError, match="mask_token_id"):
+        MaskedDiffusionObjective()
+    with pytest.raises(ValueError, match="preset"):
+        MaskedDiffusionObjective.from_preset("nope", mask_token_id=1)
+    assert MaskedDiffusionObjective.from_preset("megadlms", mask_token_id=1).weighting == "measured"

@@ -211,3 +211,16 @@ def test_import_is_cheap():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "[]" in result.stdout
     assert MASK_ID == tiny_config().mask_token_id
+
+
+def test_init_scales_residual_output_projections_and_keeps_loaded_weights(tmp_path):
+    model = tiny_model(num_hidden_layers=8, hidden_size=64, intermediate_size=256)
+    layer = model.model.layers[0]
+    scaled = 0.02 / 16**0.5
+    for weight in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
+        assert abs(float(weight.std()) - scaled) < 0.3 * scaled
+    assert abs(float(layer.self_attn.q_proj.weight.std()) - 0.02) < 0.006
+    assert torch.equal(model.model.norm.weight, torch.ones(64))
+    model.save_pretrained(tmp_path)
+    loaded = DLMForDiffusionLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded.model.layers[1].mlp.down_proj.weight, model.model.layers[1].mlp.down_proj.weight)

@@ -186,3 +186,33 @@ def test_bad_options_name_the_field():
     with pytest.raises(ValueError, match="preset"):
         MaskedDiffusionObjective.from_preset("nope", mask_token_id=1)
     assert MaskedDiffusionObjective.from_preset("megadlms", mask_token_id=1).weighting == "measured"
+
+
+def test_weighted_loss_of_a_uniform_model_by_hand():
+    """Every logit 0, so each masked token costs log V. Two rows of 10, t forced to 0.25 and 0.5, and
+    uniforms chosen so row 0 masks 2 tokens and row 1 masks 3. Then LLaDA's loss (batch) is
+    (2 * 4 + 3 * 2) log V / (2 * 10), token normalisation divides the same sum by 5, uniform weighting
+    with token normalisation gives log V, sequence normalisation (4 * 2 / 10 + 2 * 3 / 10) log V / 2,
+    measured weighting (10/2 * 2 + 10/3 * 3) log V / 20."""
+
+    class Forced(MaskedDiffusionObjective):
+        def sample_t(self, sample_index):
+            return torch.tensor([0.25, 0.5])
+
+        def sample_mask_uniforms(self, sample_index, positions):
+            u = torch.ones(2, 10)
+            u[0, [1, 7]] = 0.1  # < 0.25: masked
+            u[1, [0, 4, 9]] = 0.4  # < 0.5: masked
+            return u
+
+    model = tiny_model()
+    torch.nn.init.zeros_(model.lm_head.weight)
+    log_v = math.log(VOCAB)
+    cases = (({}, 14 * log_v / 20), ({"normalization": "token"}, 14 * log_v / 5),
+             ({"normalization": "token", "weighting": "uniform"}, log_v),
+             ({"normalization": "sequence"}, (0.8 + 0.6) * log_v / 2),
+             ({"weighting": "measured"}, 20 * log_v / 20))
+    for options, expected in cases:
+        loss, inputs = Forced(mask_token_id=MASK_ID, **options)(model, IDS[:2], torch.arange(2))
+        assert inputs["masked"].sum(1).tolist() == [2, 3]
+        assert loss.item() == pytest.approx(expected, rel=1e-5), options

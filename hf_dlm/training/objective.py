@@ -130,6 +130,10 @@ class MaskedDiffusionObjective:
             u = torch.remainder(hashed_uniform(self.seed, _T, group) + offset, 1.0)
         return self.eps + (1 - self.eps) * u
 
+    def sample_mask_uniforms(self, sample_index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(B,), (L,) -> (B, L) uniforms; position j of a sample is masked iff its uniform < 1 - alpha(t)."""
+        return hashed_uniform(self.seed, _MASK, sample_index, positions)
+
     # -- one training step's inputs -------------------------------------------------------------
     def corrupt(
         self,
@@ -160,7 +164,7 @@ class MaskedDiffusionObjective:
             supervised = supervised & (positions > 0).unsqueeze(0)
 
         t = self.sample_t(sample_index)  # (B,)
-        u = hashed_uniform(self.seed, _MASK, sample_index, positions)  # (B, L)
+        u = self.sample_mask_uniforms(sample_index, positions)  # (B, L)
         masked = (u < self.mask_probability(t).unsqueeze(1)) & supervised
         if self.at_least_one_masked:
             none = ~masked.any(1) & supervised.any(1)

@@ -120,16 +120,30 @@ def build_data(data: dict, model_options: dict, path: str = "config") -> dict:
     if allowed is not None and set(data) - allowed:
         raise ConfigError(f"{path}: data.{sorted(set(data) - allowed)[0]} is not an option of data.kind {kind!r} "
                           f"(options: {sorted(allowed)})")
-    return DATA_BUILDERS[kind](data, model_options)
+    try:
+        return DATA_BUILDERS[kind](data, model_options)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
 
 
 # -- model and arguments --------------------------------------------------------------------------------
-def build_model(model: dict, model_options: dict, path: str = "config"):
-    from ..modeling import DLMConfig, DLMForDiffusionLM
+def check_model_section(model: dict, model_options: dict, path: str = "config") -> None:
+    """Names the first unknown model option or DLMConfig field (DLMConfig itself accepts any keyword)."""
+    from ..modeling import DLMConfig
 
     unknown = sorted(set(model) - set(MODEL_KEYS))
     if unknown:
         raise ConfigError(f"{path}: model.{unknown[0]} is not a model option (options: {list(MODEL_KEYS)})")
+    known = {f.name for f in dataclasses.fields(DLMConfig)}
+    typo = sorted(set(model_options) - known)
+    if typo:
+        raise ConfigError(f"{path}: model.config.{typo[0]} is not a DLMConfig field")
+
+
+def build_model(model: dict, model_options: dict, path: str = "config"):
+    from ..modeling import DLMConfig, DLMForDiffusionLM
+
+    check_model_section(model, model_options, path)
     dtype = getattr(torch, model.get("dtype", "float32"), None)
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"{path}: model.dtype {model.get('dtype')!r} is not a torch dtype")
@@ -139,10 +153,6 @@ def build_model(model: dict, model_options: dict, path: str = "config"):
 
         return AutoModelForMaskedLM.from_pretrained(model["name_or_path"], attn_implementation=attn, dtype=dtype,
                                                     **model_options)
-    known = {f.name for f in dataclasses.fields(DLMConfig)}
-    typo = sorted(set(model_options) - known)
-    if typo:
-        raise ConfigError(f"{path}: model.config.{typo[0]} is not a DLMConfig field")
     try:
         config = DLMConfig(**model_options)
     except (TypeError, ValueError) as error:
@@ -179,6 +189,7 @@ def build_trainer(config: dict, path: str = "config"):
     args = build_training_args(config.get("training", {}), path)
     model_section = dict(config.get("model", {}))
     model_options = dict(model_section.pop("config", None) or {})
+    check_model_section(model_section, model_options, path)
     data = build_data(config.get("data", {"kind": "corpus"}), model_options, path)
     model = build_model(model_section, model_options, path)
     trainer = DLMTrainer(model=model, args=args, train_dataset=data["train"], eval_dataset=data["eval"],

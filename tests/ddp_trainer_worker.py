@@ -23,6 +23,8 @@ def main(out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     torch.save(flat_params(trainer.model), os.path.join(out_dir, f"params_rank{rank}.pt"))
+    trainer.accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()  # a live gloo group can abort the interpreter at exit
 
 
 if __name__ == "__main__":

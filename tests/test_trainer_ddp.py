@@ -27,7 +27,7 @@ def _free_port() -> int:
 def test_ddp_two_cpu_ranks_train_like_one_process(tmp_path):
     launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
     launcher = launcher if os.path.exists(launcher) else shutil.which("accelerate")
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     command = [launcher, "launch", "--config_file", os.path.join(ROOT, "examples", "accelerate", "ddp_cpu.yaml"),
                "--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port()),
                os.path.join(ROOT, "tests", "ddp_trainer_worker.py"), str(tmp_path)]

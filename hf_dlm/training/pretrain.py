@@ -209,4 +209,7 @@ def run_pretraining(path: str, overrides: list[str] | None = None) -> dict:
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
     trainer.save_model(os.path.join(trainer.args.output_dir, "final"))
+    trainer.accelerator.wait_for_everyone()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # a live gloo/NCCL group aborts the interpreter at exit
     return metrics

@@ -85,6 +85,11 @@ class DLMTrainingArguments(TrainingArguments):
     )
     logging_steps: float = field(
         default=10, metadata={"help": "Log every N optimizer steps (or a ratio of the total if < 1)."})
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={"help": "Parent default (None) turns DDP's unused-parameter search on, an extra graph traversal "
+                          "per step; every DLM parameter gets a gradient, so False."},
+    )
 
     def __post_init__(self):
         self._validate_dlm_fields()

@@ -140,3 +140,19 @@ def test_stream_dataset_resumes_from_its_saved_position(tmp_path):
     torch.testing.assert_close(torch.tensor(first.step_losses + resumed.step_losses),
                                torch.tensor(straight.step_losses), rtol=0, atol=1e-6)
     torch.testing.assert_close(flat_params(resumed.model), flat_params(straight.model), rtol=0, atol=1e-6)
+
+
+def test_best_checkpoint_and_rotation_point_at_published_folders(tmp_path):
+    import json
+
+    trainer = make_trainer(tmp_path, max_steps=6, save_strategy="steps", save_steps=2, eval_strategy="steps",
+                           eval_steps=2, eval_mc_num=1, load_best_model_at_end=True, save_total_limit=1,
+                           eval_dataset=random_dataset(4, seed=1))
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best.startswith(str(tmp_path / "checkpoint-")) and os.path.isdir(best)
+    checkpoints = sorted(p for p in os.listdir(tmp_path) if p.startswith("checkpoint-"))
+    assert len(checkpoints) <= 2 and not os.path.exists(tmp_path / STAGING_DIR)  # rotation kept the best (+ last)
+    for name in checkpoints:
+        state = json.load(open(tmp_path / name / "trainer_state.json"))
+        assert STAGING_DIR not in (state["best_model_checkpoint"] or "")

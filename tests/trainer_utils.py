@@ -55,10 +55,11 @@ def make_args(output_dir, **overrides) -> DLMTrainingArguments:
     return DLMTrainingArguments(**options)
 
 
-def make_trainer(output_dir, dataset=None, model_seed: int = 0, trainer_class=RecordingTrainer, **overrides):
+def make_trainer(output_dir, dataset=None, model_seed: int = 0, trainer_class=RecordingTrainer, eval_dataset=None,
+                 **overrides):
     model = tiny_model(seed=model_seed).train()
     return trainer_class(model=model, args=make_args(output_dir, **overrides),
-                         train_dataset=random_dataset() if dataset is None else dataset)
+                         train_dataset=random_dataset() if dataset is None else dataset, eval_dataset=eval_dataset)
 
 
 def flat_params(model) -> torch.Tensor:

@@ -56,6 +56,9 @@ class DLMTrainer(Trainer):
         if (isinstance(data_collator, DLMDataCollator) and data_collator.state_source is None
                 and isinstance(train_dataset, IterableDataset) and hasattr(train_dataset, "state_dict")):
             data_collator.state_source = train_dataset  # batches carry the stream position
+            if args.dataloader_num_workers > 1:
+                logger.warning("the position of an iterable train dataset is exact with dataloader_num_workers <= 1: "
+                               "each worker holds its own copy of the stream")
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)
         self.objective = objective if objective is not None else args.build_objective(model.config)
@@ -279,7 +282,9 @@ class DLMTrainer(Trainer):
             _publish(staging, final)
             if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging_root):
                 self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(self.state.best_model_checkpoint))
-                _write_atomic(os.path.join(final, "trainer_state.json"), self.state.to_json_string())
+                state_path = os.path.join(final, "trainer_state.json")
+                self.state.save_to_json(state_path + ".tmp")
+                os.replace(state_path + ".tmp", state_path)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint)
         self.accelerator.wait_for_everyone()
@@ -344,12 +349,3 @@ def _publish(staging: str, final: str) -> None:
         os.rmdir(os.path.dirname(staging))
     except OSError:
         pass  # other (stale) staging content stays for inspection
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

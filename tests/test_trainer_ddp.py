@@ -1,5 +1,6 @@
-"""DDP through `accelerate launch --multi_gpu --num_processes 2 --cpu` (use_cpu) (gloo): 2 ranks x 2 samples
-train exactly like 1 process x 4 samples, and the ranks draw distinct samples."""
+"""DDP through `accelerate launch --multi_gpu --num_processes 2` with use_cpu (gloo): 2 ranks x 2 samples
+train exactly like 1 process x 4 samples, the ranks draw distinct samples, and a checkpointable stream
+resumes exactly on 2 ranks."""
 
 import json
 import os
@@ -49,3 +50,11 @@ def test_ddp_two_cpu_ranks_train_like_one_process(tmp_path):
     single_losses = [log["loss"] for log in single.state.log_history if "loss" in log]
     torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(single_losses), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(params[0], flat_params(single.model), rtol=1e-5, atol=1e-6)
+
+    for record in ranks:  # the stream: 2 steps + resume + 2 steps == 4 steps, on each rank
+        stream = record["stream"]
+        assert stream["split_indices"] == stream["straight_indices"] and stream["params_equal"]
+        torch.testing.assert_close(torch.tensor(stream["split_losses"]), torch.tensor(stream["straight_losses"]),
+                                   rtol=0, atol=1e-6)
+    assert not set(ranks[0]["stream"]["straight_indices"]) & set(ranks[1]["stream"]["straight_indices"])
+    assert torch.load(tmp_path / "stream_split" / "checkpoint-2" / "data_state_rank1.pt") == {"consumed": 8}

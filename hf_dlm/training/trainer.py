@@ -122,7 +122,7 @@ class DLMTrainer(Trainer):
 
     # -- loss -----------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if "labels" not in inputs:  # a clean batch (prediction_step, direct calls): corrupt it here
+        if _STATS not in inputs:  # a clean batch (prediction_step, direct calls): corrupt it here
             inputs = self._corrupt(inputs, self.args.device)
         inputs = dict(inputs)
         stats = inputs.pop(_STATS, None)

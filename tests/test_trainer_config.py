@@ -109,3 +109,19 @@ def test_collator_pads_and_passes_position_ids_only_for_packed_rows():
     assert packed["position_ids"].tolist() == [[0, 1, 0, 1]] and "attention_mask" not in packed
     with pytest.raises(KeyError, match="sample 0 of the batch has no 'sample_index'"):
         collator([{"input_ids": [1, 2]}])
+
+
+def test_gpu_config_is_the_qwen3_1_7b_shape():
+    from hf_dlm.modeling import DLMConfig, DLMForDiffusionLM
+    from hf_dlm.training.pretrain import build_training_args, check_model_section
+
+    config = load_config(os.path.join(ROOT, "examples", "configs", "qwen3_1.7b_shape.yaml"), ["training.use_cpu=true"])
+    model_section = dict(config["model"])
+    options = model_section.pop("config")
+    check_model_section(model_section, options)
+    with torch.device("meta"):
+        model = DLMForDiffusionLM(DLMConfig(**options))
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(1.72e9, rel=1e-3)  # tied, as measured
+    args = build_training_args(config["training"])
+    assert args.bf16 and args.compile_blocks and args.per_device_train_batch_size == 4
+    assert config["data"]["seq_len"] == 4096

@@ -156,3 +156,20 @@ def test_best_checkpoint_and_rotation_point_at_published_folders(tmp_path):
     for name in checkpoints:
         state = json.load(open(tmp_path / name / "trainer_state.json"))
         assert STAGING_DIR not in (state["best_model_checkpoint"] or "")
+
+
+def test_sft_batches_never_supervise_prompt_or_padding(tmp_path):
+    from hf_dlm.training.collator import DLMDataCollator
+
+    trainer = make_trainer(tmp_path, objective_preset="llada", normalization="sequence", random_length_prob=0.0)
+    features = [{"input_ids": torch.arange(1, 1 + n), "prompt_mask": torch.arange(n) < 3, "sample_index": i}
+                for i, n in enumerate((6, 10, 8, 12))]
+    batch = trainer._corrupt(DLMDataCollator()(features), "cpu")
+    lengths = torch.tensor([6, 10, 8, 12]).unsqueeze(1)
+    positions = torch.arange(12).unsqueeze(0)
+    supervised = batch["labels"] != -100
+    assert not supervised[:, :3].any() and not supervised[positions >= lengths].any() and supervised.any()
+    assert torch.equal(batch["attention_mask"], (positions < lengths).long())
+    assert batch["_dlm_stats"]["items"] == 4  # "sequence": one item per row
+    loss = trainer.compute_loss(trainer.model.train(), batch)
+    assert torch.isfinite(loss) and loss > 0

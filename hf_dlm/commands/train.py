@@ -1,0 +1,26 @@
+"""`hf-dlm train CONFIG.yaml`: pretraining from a YAML config (one process; for several, run
+`accelerate launch examples/pretrain.py --config CONFIG.yaml`)."""
+
+from __future__ import annotations
+
+import json
+
+
+def add_arguments(parser):
+    parser.add_argument("config", help="YAML file with sections model, data, training (see examples/configs/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config entry, e.g. --set training.max_steps=10 (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print the final metrics as one JSON line")
+
+
+def run(args) -> int:
+    from ..training.pretrain import ConfigError, run_pretraining
+
+    try:
+        metrics = run_pretraining(args.config, args.overrides)
+    except ConfigError as error:
+        print(f"hf-dlm train: {error}")
+        return 2
+    if args.json:
+        print(json.dumps(metrics))
+    return 0

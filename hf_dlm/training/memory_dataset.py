@@ -1,0 +1,79 @@
+"""Small in-memory datasets that follow the hf-dlm data contract (see collator.py), for tests, the
+tiny example config and quick experiments. Large corpora use the Megatron indexed / packed datasets.
+
+`TokenWindowDataset` is map-style: the Trainer's seeded sampler orders it and resumes by skipping
+batches. `TokenWindowStream` is iterable with `state_dict()` / `load_state_dict()`: it resumes from
+its own saved position.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+
+def pack_documents(documents: list[list[int]], seq_len: int, eos_token_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate token lists (each followed by `eos_token_id` if given) and cut them into windows.
+
+    Returns input_ids (N, seq_len) and position_ids (N, seq_len), restarting at 0 after every EOS."""
+    ids, positions, position = [], [], 0
+    for document in documents:
+        for token in list(document) + ([eos_token_id] if eos_token_id is not None else []):
+            ids.append(token)
+            positions.append(position)
+            position += 1
+        position = 0
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"pack_documents: {len(ids)} tokens do not fill one window of {seq_len}")
+    return torch.tensor(ids[: n * seq_len]).view(n, seq_len), torch.tensor(positions[: n * seq_len]).view(n, seq_len)
+
+
+class TokenWindowDataset(Dataset):
+    """Windows of token ids (N, L). `sample_index` is `epoch * N + i`, unique across epochs; the Trainer
+    (through accelerate) calls `set_epoch` at the start of every epoch."""
+
+    def __init__(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None):
+        if input_ids.dim() != 2:
+            raise ValueError(f"TokenWindowDataset: input_ids must be (N, L), got shape {tuple(input_ids.shape)}")
+        self.input_ids = input_ids.long()
+        self.position_ids = position_ids
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def __getitem__(self, index: int) -> dict:
+        sample = {"input_ids": self.input_ids[index], "sample_index": self.epoch * len(self) + int(index)}
+        if self.position_ids is not None:
+            sample["position_ids"] = self.position_ids[index]
+        return sample
+
+
+class TokenWindowStream(IterableDataset):
+    """An endless stream over windows (N, L), reshuffled every epoch with (seed, epoch), whose position
+    is checkpointable: `state_dict()` is {"consumed": samples yielded so far}. Sharding over ranks is
+    left to the data loader (accelerate's `IterableDatasetShard`), so every rank reads the same stream."""
+
+    def __init__(self, input_ids: torch.Tensor, seed: int = 0):
+        self.input_ids = input_ids.long()
+        self.seed = seed
+        self.consumed = 0
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = int(state["consumed"])
+
+    def __iter__(self):
+        n = self.input_ids.shape[0]
+        while True:
+            epoch, offset = divmod(self.consumed, n)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
+            index = int(order[offset])
+            self.consumed += 1
+            yield {"input_ids": self.input_ids[index], "sample_index": self.consumed - 1}

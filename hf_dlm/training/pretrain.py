@@ -1,0 +1,215 @@
+"""Pretraining from one YAML file: `accelerate launch examples/pretrain.py --config CONFIG.yaml` or
+`hf-dlm train CONFIG.yaml`.
+
+The file has three sections:
+
+    model:     name_or_path (from_pretrained) or config (DLMConfig fields); attn_implementation; dtype
+    data:      kind (one of DATA_BUILDERS) and that builder's options
+    training:  DLMTrainingArguments fields
+
+`--set section.key=value` overrides one entry (value parsed as YAML). Unknown sections or fields are
+errors that name the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import torch
+
+from ..utils.import_utils import require
+
+SECTIONS = ("model", "data", "training")
+MODEL_KEYS = ("name_or_path", "config", "attn_implementation", "dtype")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(path: str, overrides: list[str] | None = None) -> dict:
+    require("yaml", "reading training configs")
+    import yaml
+
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping with sections {SECTIONS}")
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        config.setdefault(section, {})[name] = yaml.safe_load(value)
+    unknown = sorted(set(config) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown section(s) {unknown}; expected {list(SECTIONS)}")
+    for section in SECTIONS:
+        if not isinstance(config.get(section, {}), dict):
+            raise ConfigError(f"{path}: section {section!r} must be a mapping")
+    return config
+
+
+# -- data ---------------------------------------------------------------------------------------------
+def _corpus_data(options: dict, model_options: dict) -> dict:
+    """Python's own documentation, a byte-level BPE tokenizer trained on it, packed windows."""
+    from .corpus import split_documents, stdlib_documents, train_bpe_tokenizer
+    from .memory_dataset import TokenWindowDataset, pack_documents
+
+    train_docs, heldout_docs = split_documents(stdlib_documents(max_files=options.get("max_files")))
+    tokenizer = train_bpe_tokenizer(train_docs, options.get("vocab_size", 384))
+    seq_len = options.get("seq_len", 128)
+
+    def windows(docs):
+        encoded = tokenizer(docs, add_special_tokens=False)["input_ids"]
+        return pack_documents(encoded, seq_len, tokenizer.eos_token_id)
+
+    train_ids, train_positions = windows(train_docs)
+    eval_ids, eval_positions = windows(heldout_docs)
+    eval_windows = options.get("eval_windows", 32)
+    model_options.update(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    position_ids = train_positions if options.get("packed_positions", True) else None
+    return {"train": TokenWindowDataset(train_ids, position_ids),
+            "eval": TokenWindowDataset(eval_ids[:eval_windows]) if eval_windows else None,
+            "tokenizer": tokenizer}
+
+
+def _random_data(options: dict, model_options: dict) -> dict:
+    """Uniform random token ids (throughput runs; nothing to learn). Needs the model's vocab_size."""
+    from .memory_dataset import TokenWindowDataset
+
+    vocab = model_options.get("vocab_size")
+    if vocab is None:
+        raise ConfigError("data.kind 'random' needs model.config.vocab_size")
+    generator = torch.Generator().manual_seed(options.get("seed", 0))
+    shape = (options.get("num_samples", 1024), options.get("seq_len", 128))
+    ids = torch.randint(0, vocab - 1, shape, generator=generator)
+    mask_id = model_options.get("mask_token_id")
+    if mask_id is not None:
+        ids = ids + (ids >= mask_id).long()  # every id but the mask token
+    eval_windows = options.get("eval_windows", 0)
+    return {"train": TokenWindowDataset(ids), "eval": TokenWindowDataset(ids[:eval_windows]) if eval_windows else None,
+            "tokenizer": None}
+
+
+DATA_BUILDERS: dict[str, Callable[[dict, dict], dict]] = {"corpus": _corpus_data, "random": _random_data}
+_DATA_OPTIONS = {"corpus": {"seq_len", "vocab_size", "eval_windows", "max_files", "packed_positions"},
+                 "random": {"seq_len", "num_samples", "eval_windows", "seed"}}
+
+
+def register_data_builder(kind: str, builder: Callable[[dict, dict], dict], options: set[str] | None = None) -> None:
+    """Add a `data.kind`: builder(data_options, model_options) -> {"train", "eval", "tokenizer"}; it may
+    update model_options (vocab_size, mask_token_id, ...). `options`: the accepted keys (None: any)."""
+    DATA_BUILDERS[kind] = builder
+    if options is not None:
+        _DATA_OPTIONS[kind] = set(options)
+
+
+def build_data(data: dict, model_options: dict, path: str = "config") -> dict:
+    data = dict(data)
+    kind = data.pop("kind", None)
+    if kind not in DATA_BUILDERS:
+        raise ConfigError(f"{path}: data.kind must be one of {sorted(DATA_BUILDERS)}, got {kind!r}")
+    allowed = _DATA_OPTIONS.get(kind)
+    if allowed is not None and set(data) - allowed:
+        raise ConfigError(f"{path}: data.{sorted(set(data) - allowed)[0]} is not an option of data.kind {kind!r} "
+                          f"(options: {sorted(allowed)})")
+    try:
+        return DATA_BUILDERS[kind](data, model_options)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
+
+
+# -- model and arguments --------------------------------------------------------------------------------
+def check_model_section(model: dict, model_options: dict, path: str = "config") -> None:
+    """Names the first unknown model option or DLMConfig field (DLMConfig itself accepts any keyword)."""
+    from ..modeling import DLMConfig
+
+    unknown = sorted(set(model) - set(MODEL_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: model.{unknown[0]} is not a model option (options: {list(MODEL_KEYS)})")
+    known = {f.name for f in dataclasses.fields(DLMConfig)}
+    typo = sorted(set(model_options) - known)
+    if typo:
+        raise ConfigError(f"{path}: model.config.{typo[0]} is not a DLMConfig field")
+
+
+def build_model(model: dict, model_options: dict, path: str = "config"):
+    from ..modeling import DLMConfig, DLMForDiffusionLM
+
+    check_model_section(model, model_options, path)
+    dtype = getattr(torch, model.get("dtype", "float32"), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"{path}: model.dtype {model.get('dtype')!r} is not a torch dtype")
+    attn = model.get("attn_implementation", "sdpa")
+    if model.get("name_or_path"):
+        from transformers import AutoModelForMaskedLM
+
+        return AutoModelForMaskedLM.from_pretrained(model["name_or_path"], attn_implementation=attn, dtype=dtype,
+                                                    **model_options)
+    try:
+        config = DLMConfig(**model_options)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{path}: model.config: {error}") from None
+    config._attn_implementation = attn
+    return DLMForDiffusionLM(config).to(dtype)
+
+
+def build_training_args(training: dict, path: str = "config"):
+    from .training_args import DLMTrainingArguments
+
+    fields = {f.name: f for f in dataclasses.fields(DLMTrainingArguments) if f.init}
+    options = {}
+    for name, value in training.items():
+        if name not in fields:
+            raise ConfigError(f"{path}: training.{name} is not a DLMTrainingArguments field")
+        if isinstance(value, str) and "float" in str(fields[name].type):
+            try:
+                value = float(value)  # YAML reads 3e-4 (no dot) as a string
+            except ValueError:
+                raise ConfigError(f"{path}: training.{name} must be a number, got {value!r}") from None
+        options[name] = value
+    options.setdefault("output_dir", "outputs/pretrain")
+    try:
+        return DLMTrainingArguments(**options)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{path}: training: {error}") from None
+
+
+def build_trainer(config: dict, path: str = "config"):
+    """(trainer, tokenizer) from a loaded config."""
+    from .trainer import DLMTrainer
+
+    args = build_training_args(config.get("training", {}), path)
+    model_section = dict(config.get("model", {}))
+    model_options = dict(model_section.pop("config", None) or {})
+    check_model_section(model_section, model_options, path)
+    data = build_data(config.get("data", {"kind": "corpus"}), model_options, path)
+    model = build_model(model_section, model_options, path)
+    trainer = DLMTrainer(model=model, args=args, train_dataset=data["train"], eval_dataset=data["eval"],
+                         processing_class=data["tokenizer"])
+    return trainer, data["tokenizer"]
+
+
+def run_pretraining(path: str, overrides: list[str] | None = None) -> dict:
+    """Train, evaluate (if there is an eval set) and save the final model; returns the metrics."""
+    config = load_config(path, overrides)
+    trainer, _ = build_trainer(config, path)
+    resume = trainer.args.resume_from_checkpoint
+    if isinstance(resume, str) and resume.lower() in ("true", "last"):
+        resume = True
+    result = trainer.train(resume_from_checkpoint=resume or None)
+    metrics = dict(result.metrics)
+    if trainer.eval_dataset is not None:
+        metrics.update(trainer.evaluate())
+    trainer.save_model(os.path.join(trainer.args.output_dir, "final"))
+    trainer.accelerator.wait_for_everyone()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # a live gloo/NCCL group aborts the interpreter at exit
+    return metrics

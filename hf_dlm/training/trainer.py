@@ -1,0 +1,351 @@
+"""`DLMTrainer`: `transformers.Trainer` for masked-diffusion LMs, overriding narrow hooks, not the loop.
+
+- `get_batch_samples`: corrupts every micro-batch of an optimizer step with `MaskedDiffusionObjective`
+  (noise keyed by each sample's global index) and counts the supervised items over all of them and all
+  ranks: the loss normaliser, so 4 micro-batches of 1 equal 1 micro-batch of 4, and N ranks equal one.
+- `compute_loss`: the model's masked-only, chunked head with that global normaliser.
+- `training_step` / `log`: tokens/s, MFU, masked fraction and masked-token cross-entropy by t bucket.
+  The per-token cross-entropy is read, for free, from the gradient of the loss with respect to the
+  per-position weights: d loss / d w_i = CE_i / normaliser.
+- `evaluate`: the ELBO bound (`elbo.elbo_nll`) instead of the training loss.
+- `_save_checkpoint`: atomic (staged in a hidden folder, then renamed), with the data position of the
+  last consumed batch; `train` restores it on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+
+import torch
+from torch.utils.data import IterableDataset
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+from transformers.utils import logging
+
+from .collator import DATA_STATE_KEY, DLMDataCollator
+from .elbo import elbo_nll
+from .objective import MaskedDiffusionObjective
+from .training_args import DLMTrainingArguments
+
+logger = logging.get_logger(__name__)
+
+STAGING_DIR = ".checkpoint-staging"  # not matched by get_last_checkpoint's `^checkpoint-\d+$`
+DATA_STATE_NAME = "data_state_rank{rank}.pt"
+OBJECTIVE_NAME = "dlm_objective.json"
+_STATS = "_dlm_stats"  # per-micro-batch statistics riding along in the batch dict
+
+
+class DLMTrainer(Trainer):
+    """Trainer of `DLMForDiffusionLM` (or any model taking `labels`, `label_weights` and
+    `num_items_in_batch`). `objective` defaults to `args.build_objective(model.config)`."""
+
+    def __init__(self, model=None, args: DLMTrainingArguments | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, objective: MaskedDiffusionObjective | None = None, **kwargs):
+        if args is None:
+            args = DLMTrainingArguments(output_dir="outputs/dlm")
+        if not isinstance(args, DLMTrainingArguments):
+            raise TypeError(f"DLMTrainer needs DLMTrainingArguments, got {type(args).__name__}")
+        if model is None:
+            raise ValueError("DLMTrainer needs a model")
+        if data_collator is None:
+            data_collator = DLMDataCollator(pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
+        if (isinstance(data_collator, DLMDataCollator) and data_collator.state_source is None
+                and isinstance(train_dataset, IterableDataset) and hasattr(train_dataset, "state_dict")):
+            data_collator.state_source = train_dataset  # batches carry the stream position
+            if args.dataloader_num_workers > 1:
+                logger.warning("the position of an iterable train dataset is exact with dataloader_num_workers <= 1: "
+                               "each worker holds its own copy of the stream")
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, **kwargs)
+        self.objective = objective if objective is not None else args.build_objective(model.config)
+        # our loss is normalised over the whole accumulated, global batch: never divide it again
+        self.model_accepts_loss_kwargs = True
+        self.loss_is_scaled_for_ga = True
+        self._staging_root: str | None = None
+        self._data_state = None
+        self._pending_weights: list = []
+        self._reset_window()
+        self._flops_per_token_fixed = None
+
+    # -- batches ------------------------------------------------------------------------------------
+    def _corrupt(self, batch: dict, device) -> dict:
+        """Clean batch -> the model's inputs (+ statistics under _STATS)."""
+        input_ids = batch["input_ids"].to(device)  # (B, L)
+        attention_mask, prompt_mask = batch.get("attention_mask"), batch.get("prompt_mask")
+        attention_mask = None if attention_mask is None else attention_mask.to(device)
+        inputs = self.objective.corrupt(input_ids, batch["sample_index"].to(device), attention_mask,
+                                        None if prompt_mask is None else prompt_mask.to(device))
+        model_inputs = {k: inputs[k] for k in ("input_ids", "labels", "label_weights", "attention_mask")
+                        if inputs[k] is not None}
+        if "position_ids" in batch:
+            model_inputs["position_ids"] = batch["position_ids"].to(device)
+        config = self.accelerator.unwrap_model(self.model).config
+        if getattr(config, "attention_mode", None) == "block" and self.objective.mode == "diffusion":
+            model_inputs["clean_input_ids"] = input_ids  # two-stream block-diffusion training
+        real = input_ids.numel() if inputs["attention_mask"] is None else inputs["attention_mask"].sum()
+        if self.objective.mode == "ar":
+            items = (inputs["labels"] != -100).sum()
+            masked_rows = None
+        else:
+            masked_rows = inputs["masked"].sum(1)  # (B,)
+            # "token" counts masked tokens unclamped so the sum over micro-batches is exact
+            items = masked_rows.sum() if self.objective.normalization == "token" else inputs["num_items_in_batch"]
+        model_inputs[_STATS] = {"t": inputs["t"], "masked_rows": masked_rows, "tokens": real,
+                                "items": torch.as_tensor(items, device=device, dtype=torch.float32),
+                                "length": input_ids.shape[1]}
+        return model_inputs
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The micro-batches of one optimizer step, corrupted, and their global number of loss items."""
+        if self._window_start is None:
+            self._window_start = time.perf_counter()
+        batch_samples = []
+        for _ in range(num_batches):
+            try:
+                batch = next(epoch_iterator)
+            except StopIteration:
+                break
+            state = batch.pop(DATA_STATE_KEY, None)
+            if state is not None:
+                self._data_state = state
+            batch_samples.append(self._corrupt(batch, device))
+        if not batch_samples:
+            return batch_samples, None
+        num_items = sum(b[_STATS]["items"] for b in batch_samples)
+        if self.accelerator.num_processes > 1:
+            num_items = self.accelerator.gather(num_items.reshape(1)).sum()
+        return batch_samples, num_items.clamp(min=1)
+
+    # -- loss -----------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if _STATS not in inputs:  # a clean batch (prediction_step, direct calls): corrupt it here
+            inputs = self._corrupt(inputs, self.args.device)
+        inputs = dict(inputs)
+        stats = inputs.pop(_STATS, None)
+        loss_scale = 1
+        if num_items_in_batch is None:
+            num_items_in_batch = stats["items"].clamp(min=1)
+        elif self.accelerator.num_processes > 1:
+            # the normaliser is global and gradients are averaged over ranks: undo the average
+            loss_scale = self.accelerator.num_processes
+        track_t = (model.training and torch.is_grad_enabled() and self.args.t_buckets > 0
+                   and stats["t"] is not None and "label_weights" in inputs)
+        if track_t:
+            inputs["label_weights"] = inputs["label_weights"].detach().requires_grad_(True)
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        loss = outputs.loss * loss_scale
+        if model.training:
+            self._record(stats, inputs, num_items_in_batch, loss_scale, track_t)
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._collect_t_buckets()
+        return loss
+
+    # -- statistics -----------------------------------------------------------------------------------
+    def _reset_window(self):
+        self._window_start = None
+        self._paused = 0.0
+        self._window = {}
+
+    def _add(self, name, value):
+        value = torch.as_tensor(value, dtype=torch.float64, device=self.args.device)
+        self._window[name] = self._window[name] + value if name in self._window else value
+
+    def _flops_per_token(self, length: int) -> float:
+        """6N + 12 * layers * hidden * seq (PaLM's count; full attention, right for bidirectional models)."""
+        if self._flops_per_token_fixed is None:
+            model = self.accelerator.unwrap_model(self.model)
+            self._flops_per_token_fixed = 6 * sum(p.numel() for p in model.parameters())
+        config = self.accelerator.unwrap_model(self.model).config
+        return self._flops_per_token_fixed + 12 * config.num_hidden_layers * config.hidden_size * length
+
+    def _record(self, stats, inputs, normaliser, loss_scale, track_t):
+        self._add("tokens", stats["tokens"])
+        self._add("flops", stats["tokens"] * self._flops_per_token(stats["length"]))
+        if stats["masked_rows"] is not None:
+            self._add("masked", stats["masked_rows"].sum())
+        if track_t:
+            self._pending_weights.append((inputs["label_weights"], stats["t"], stats["masked_rows"],
+                                          normaliser, loss_scale))
+
+    def _collect_t_buckets(self):
+        """Masked-token CE per row from d loss / d label_weights, summed into t buckets."""
+        n = self.args.t_buckets
+        for weights, t, masked_rows, normaliser, loss_scale in self._pending_weights:
+            if weights.grad is None:
+                continue
+            grad_scale = loss_scale
+            if getattr(self.accelerator, "scaler", None) is not None:
+                grad_scale = grad_scale * self.accelerator.scaler.get_scale()
+            ce_rows = weights.grad.double().sum(1) * normaliser.double() / grad_scale  # (B,)
+            bucket = (t * n).long().clamp(0, n - 1)
+            self._add("ce_sum", torch.zeros(n, dtype=torch.float64, device=ce_rows.device).index_add(0, bucket, ce_rows))
+            self._add("ce_count", torch.zeros(n, dtype=torch.float64, device=ce_rows.device)
+                      .index_add(0, bucket, masked_rows.double()))
+        self._pending_weights = []
+
+    def _window_logs(self) -> dict:
+        if self._window_start is None or "tokens" not in self._window:
+            return {}
+        elapsed = max(time.perf_counter() - self._window_start - self._paused, 1e-9)
+        names = sorted(self._window)
+        flat = torch.cat([self._window[k].reshape(-1) for k in names])
+        if self.accelerator.num_processes > 1:
+            flat = self.accelerator.reduce(flat, reduction="sum")
+        totals, offset = {}, 0
+        for k in names:
+            size = self._window[k].numel()
+            totals[k] = flat[offset: offset + size].cpu()
+            offset += size
+        world = self.accelerator.num_processes
+        tokens = float(totals["tokens"])
+        logs = {"tokens_per_second": tokens / elapsed, "tokens_per_second_per_device": tokens / elapsed / world,
+                "mfu": float(totals["flops"]) / elapsed / (self.args.peak_flops * world)}
+        if "masked" in totals:
+            logs["masked_fraction"] = float(totals["masked"]) / max(tokens, 1.0)
+        if "ce_sum" in totals:
+            n = self.args.t_buckets
+            for k in range(n):
+                if totals["ce_count"][k] > 0:
+                    logs[f"ce_t/{k / n:.2f}-{(k + 1) / n:.2f}"] = float(totals["ce_sum"][k] / totals["ce_count"][k])
+        self._reset_window()
+        self._window_start = time.perf_counter()
+        return logs
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        if "learning_rate" in logs and "loss" in logs:  # a training log
+            logs.update(self._window_logs())
+        super().log(logs, start_time)
+
+    # -- evaluation -----------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """ELBO bound on the NLL of the evaluation set (nats per scored token, summed over ranks)."""
+        start = time.perf_counter()
+        dataloader = self.get_eval_dataloader(eval_dataset)
+        model = self.accelerator.unwrap_model(self.model)
+        was_training = model.training
+        model.eval()
+        nll_sum = torch.zeros((), dtype=torch.float64, device=self.args.device)
+        num_tokens = torch.zeros((), dtype=torch.float64, device=self.args.device)
+        with self.accelerator.autocast():
+            for step, batch in enumerate(dataloader):
+                batch.pop(DATA_STATE_KEY, None)
+                result = elbo_nll(model, batch["input_ids"], batch.get("attention_mask"), batch.get("prompt_mask"),
+                                  mc_num=self.args.eval_mc_num, seed=self.args.eval_seed + step,
+                                  batch_size=batch["input_ids"].shape[0])
+                nll_sum += result["per_sequence"].sum().to(nll_sum.device)
+                num_tokens += result["num_tokens"]
+        model.train(was_training)
+        totals = torch.stack([nll_sum, num_tokens])
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        nll = float(totals[0] / totals[1].clamp(min=1))
+        runtime = time.perf_counter() - start
+        metrics = {f"{metric_key_prefix}_loss": nll, f"{metric_key_prefix}_nll_per_token": nll,
+                   f"{metric_key_prefix}_perplexity_bound": math.exp(min(nll, 700.0)),
+                   f"{metric_key_prefix}_num_tokens": float(totals[1]), f"{metric_key_prefix}_runtime": runtime}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        self._paused += runtime  # evaluation time is not training throughput
+        return metrics
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def _get_output_dir(self, trial) -> str:
+        run_dir = super()._get_output_dir(trial)
+        return os.path.join(run_dir, STAGING_DIR) if self._staging_root is not None else run_dir
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write the checkpoint into a hidden staging folder, then rename it into place: a crash while
+        saving leaves the previous checkpoints untouched and `get_last_checkpoint` never sees a partial one."""
+        start = time.perf_counter()
+        run_dir = self._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging_root = os.path.join(run_dir, STAGING_DIR)
+        staging, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
+        if self.args.should_save and os.path.isdir(staging):
+            shutil.rmtree(staging)  # left over by a save that crashed
+        self.accelerator.wait_for_everyone()
+        self._staging_root = staging_root
+        try:
+            super()._save_checkpoint(model, trial)
+            self._save_extras(staging)
+        finally:
+            self._staging_root = None
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            _publish(staging, final)
+            if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging_root):
+                self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(self.state.best_model_checkpoint))
+                state_path = os.path.join(final, "trainer_state.json")
+                self.state.save_to_json(state_path + ".tmp")
+                os.replace(state_path + ".tmp", state_path)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint)
+        self.accelerator.wait_for_everyone()
+        self._paused += time.perf_counter() - start
+
+    def _save_extras(self, checkpoint_dir: str) -> None:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        if self._data_state is not None:
+            torch.save(self._data_state, os.path.join(checkpoint_dir, DATA_STATE_NAME.format(rank=self.args.process_index)))
+        if self.args.should_save:
+            with open(os.path.join(checkpoint_dir, OBJECTIVE_NAME), "w") as f:
+                json.dump(self.objective.to_dict(), f, indent=2)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """As `Trainer.train`; on resume, a train dataset with `load_state_dict` gets its saved position
+        back (an iterable one then is not fast-forwarded batch by batch)."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no valid checkpoint found in output_dir {self.args.output_dir!r}")
+        restore_skip = self.args.ignore_data_skip
+        if resume_from_checkpoint and hasattr(self.train_dataset, "load_state_dict"):
+            path = os.path.join(resume_from_checkpoint, DATA_STATE_NAME.format(rank=self.args.process_index))
+            if os.path.isfile(path):
+                self.train_dataset.load_state_dict(torch.load(path, weights_only=True))
+                self._data_state = None
+                if isinstance(self.train_dataset, IterableDataset):
+                    self.args.ignore_data_skip = True
+        self._reset_window()
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        finally:
+            self.args.ignore_data_skip = restore_skip
+
+
+def _fsync_tree(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _publish(staging: str, final: str) -> None:
+    """Rename a fully written checkpoint folder into place (replacing one of the same step)."""
+    _fsync_tree(staging)
+    previous = None
+    if os.path.exists(final):
+        previous = f"{os.path.dirname(final)}/{STAGING_DIR}/replaced-{os.path.basename(final)}"
+        if os.path.exists(previous):
+            shutil.rmtree(previous)
+        os.rename(final, previous)
+    os.rename(staging, final)
+    dir_fd = os.open(os.path.dirname(final), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(staging))
+    except OSError:
+        pass  # other (stale) staging content stays for inspection

@@ -1,0 +1,138 @@
+"""`DLMTrainingArguments`: `transformers.TrainingArguments` plus the masked-diffusion objective's options,
+the trainer's throughput accounting and the parallelisation switches.
+
+Defaults that differ from the parent: `remove_unused_columns=False` (the trainer needs `sample_index`,
+`position_ids` and `prompt_mask`, which the model's forward does not take), `logging_steps=10`,
+`accelerator_config.dispatch_batches=False` (every rank reads its own shard: batches carry the
+dataset position) and `average_tokens_across_devices=True` (the loss is normalised by the global
+number of supervised items).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .objective import NORMALIZATIONS, PRESETS, SCHEDULES, T_SAMPLINGS, WEIGHTINGS, MaskedDiffusionObjective
+
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+@dataclass
+class DLMTrainingArguments(TrainingArguments):
+    # -- objective -------------------------------------------------------------------------------
+    objective_preset: str | None = field(
+        default="mdlm",
+        metadata={"help": f"Objective preset, one of {sorted(PRESETS)} (see hf_dlm.training.objective.PRESETS); "
+                          "the fields below override it. None: the objective's own defaults (causal models: 'ar')."},
+    )
+    schedule: str | None = field(
+        default=None, metadata={"help": f"Noise schedule alpha(t), one of {SCHEDULES}. None: the preset's."})
+    weighting: str | None = field(
+        default=None, metadata={"help": f"Loss weight per masked token, one of {WEIGHTINGS}. None: the preset's."})
+    t_sampling: str | None = field(
+        default=None, metadata={"help": f"How t is drawn per sample, one of {T_SAMPLINGS}. None: the preset's."})
+    eps: float | None = field(
+        default=None, metadata={"help": "Lower bound of t (t ~ U[eps, 1)), in [0, 1). None: the preset's."})
+    normalization: str | None = field(
+        default=None,
+        metadata={"help": f"Loss normaliser, one of {NORMALIZATIONS}: summed over all accumulated micro-batches and "
+                          "ranks (global), so gradient accumulation and world size do not change the loss. "
+                          "None: the preset's."},
+    )
+    at_least_one_masked: bool | None = field(
+        default=None, metadata={"help": "Force one masked token in every row (MegaDLMs). None: the preset's."})
+    random_length_prob: float | None = field(
+        default=None,
+        metadata={"help": "Probability that a sample is cut to a random length in [2, L] (LLaDA/MegaDLMs use 0.01). "
+                          "None: the preset's."},
+    )
+    objective_seed: int | None = field(
+        default=None,
+        metadata={"help": "Seed of the diffusion noise, keyed with each sample's global index so the noise does not "
+                          "depend on world size, micro-batch or resume point. None: `seed`."},
+    )
+    # -- logging and evaluation ------------------------------------------------------------------
+    peak_flops: float = field(
+        default=989e12,
+        metadata={"help": "Peak FLOP/s of one accelerator for the MFU figure (H100/H200 dense bf16: 989e12). "
+                          "MFU = tokens/s * (6N + 12 * layers * hidden * seq) / (peak_flops * world size)."},
+    )
+    t_buckets: int = field(
+        default=4,
+        metadata={"help": "Number of equal-width t buckets for the logged masked-token cross-entropy by t "
+                          "(`ce_t/<lo>-<hi>`); 0 turns it off. Read from the backward pass, so it costs no forward."},
+    )
+    eval_mc_num: int = field(
+        default=8, metadata={"help": "Monte Carlo draws per sequence of the ELBO bound used for evaluation."})
+    eval_seed: int = field(default=0, metadata={"help": "Seed of the ELBO evaluation's masking draws."})
+    # -- parallelisation (applied through hf_dlm.training.parallelize) ----------------------------
+    fp8_recipe: str | None = field(
+        default=None,
+        metadata={"help": f"torchao float8 training recipe for the linear layers, one of {FP8_RECIPES}, applied "
+                          "before sharding by hf_dlm.training.parallelize. None: bf16/fp32 linears."},
+    )
+    compile_blocks: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each decoder block separately (torchtitan's per-block compile), applied by "
+                          "hf_dlm.training.parallelize."},
+    )
+    # -- parent defaults changed ------------------------------------------------------------------
+    remove_unused_columns: bool = field(
+        default=False,
+        metadata={"help": "Parent default True would drop `sample_index` / `prompt_mask`; keep False for DLMTrainer."},
+    )
+    logging_steps: float = field(
+        default=10, metadata={"help": "Log every N optimizer steps (or a ratio of the total if < 1)."})
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={"help": "Parent default (None) turns DDP's unused-parameter search on, an extra graph traversal "
+                          "per step; every DLM parameter gets a gradient, so False."},
+    )
+
+    def __post_init__(self):
+        self._validate_dlm_fields()
+        if self.accelerator_config is None:
+            self.accelerator_config = {"dispatch_batches": False}
+        elif isinstance(self.accelerator_config, dict):
+            self.accelerator_config.setdefault("dispatch_batches", False)
+        super().__post_init__()
+
+    def _validate_dlm_fields(self) -> None:
+        def fail(name, expected):
+            raise ValueError(f"DLMTrainingArguments.{name} must be {expected}, got {getattr(self, name)!r}")
+
+        if self.objective_preset is not None and self.objective_preset not in PRESETS:
+            fail("objective_preset", f"one of {sorted(PRESETS)} or None")
+        for name, allowed in (("schedule", SCHEDULES), ("weighting", WEIGHTINGS), ("t_sampling", T_SAMPLINGS),
+                              ("normalization", NORMALIZATIONS)):
+            if getattr(self, name) is not None and getattr(self, name) not in allowed:
+                fail(name, f"one of {allowed} or None")
+        if self.eps is not None and not 0.0 <= self.eps < 1.0:
+            fail("eps", "in [0, 1)")
+        if self.random_length_prob is not None and not 0.0 <= self.random_length_prob <= 1.0:
+            fail("random_length_prob", "in [0, 1]")
+        if not self.peak_flops > 0:
+            fail("peak_flops", "positive")
+        if self.t_buckets < 0:
+            fail("t_buckets", ">= 0")
+        if self.eval_mc_num < 1:
+            fail("eval_mc_num", ">= 1")
+        if self.fp8_recipe is not None and self.fp8_recipe not in FP8_RECIPES:
+            fail("fp8_recipe", f"one of {FP8_RECIPES} or None")
+        if not isinstance(self.compile_blocks, bool):
+            fail("compile_blocks", "a bool")
+
+    def objective_overrides(self) -> dict:
+        """The objective fields set explicitly here (None means: keep the preset's value)."""
+        names = ("schedule", "weighting", "t_sampling", "eps", "normalization", "at_least_one_masked",
+                 "random_length_prob")
+        overrides = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        overrides["seed"] = self.seed if self.objective_seed is None else self.objective_seed
+        return overrides
+
+    def build_objective(self, model_config) -> MaskedDiffusionObjective:
+        """The objective for a DLMConfig: mask id and label alignment from the model, the rest from here."""
+        return MaskedDiffusionObjective.from_model_config(model_config, preset=self.objective_preset,
+                                                          **self.objective_overrides())

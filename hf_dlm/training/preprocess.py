@@ -151,11 +151,31 @@ def _read_hf_dataset(name: str, config: PreprocessConfig) -> Iterator[tuple]:
 _worker: dict = {}
 
 
-def _init_worker(tokenizer_name: str, json_key: str, eod_id: int | None, dtype: str) -> None:
+def _init_worker(tokenizer_name: str, json_key: str, eod_id: int | None, dtype: str, single_threaded: bool) -> None:
+    if single_threaded:  # the worker processes are the parallelism; Rust threads would oversubscribe the cores
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from transformers import AutoTokenizer
 
-    _worker.update(tokenizer=AutoTokenizer.from_pretrained(tokenizer_name), json_key=json_key, eod_id=eod_id,
-                   dtype=np.dtype(dtype))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+    _worker.update(encode=_batch_encoder(tokenizer), json_key=json_key, eod_id=eod_id, dtype=np.dtype(dtype))
+
+
+def _batch_encoder(tokenizer):
+    """texts -> lists of ids without special tokens. For a fast tokenizer, the Rust backend's
+    `encode_batch_fast` (no offsets, no Python-side BatchEncoding) when it gives the same ids as the
+    tokenizer itself on a probe text; otherwise the tokenizer's own `__call__`."""
+    def slow(texts):
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch_fast"):
+        return slow
+
+    def fast(texts):
+        return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+    probe = ["Hello world, 123 \u00fcn\u00efc\u00f6de\n  spaced\tout <|endoftext|> text", " leading space"]
+    return fast if fast(probe) == slow(probe) else slow
 
 
 def _record_text(kind: str, record, key: str) -> str:
@@ -194,7 +214,7 @@ def _encode_chunk(chunk: tuple) -> tuple[np.ndarray, np.ndarray, list[tuple[str,
             texts.append((number, _record_text(kind, record, _worker["json_key"])))
         except ValueError as error:
             errors.append((f"{source}:{unit} {number}", str(error)))
-    ids = _worker["tokenizer"]([text for _, text in texts], add_special_tokens=False)["input_ids"] if texts else []
+    ids = _worker["encode"]([text for _, text in texts]) if texts else []
     eod = _worker["eod_id"]
     if eod is not None:
         for row in ids:
@@ -240,13 +260,12 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
         looks_local = path.endswith((".jsonl", ".json", ".gz", ".zst", ".parquet", ".pq")) or path.startswith((os.sep, "."))
         if looks_local and not os.path.exists(path):
             raise FileNotFoundError(f"{path} does not exist")
-    init_args = (config.tokenizer, config.json_key, eod_id, dtype.str)
+    init_args = (config.tokenizer, config.json_key, eod_id, dtype.str, config.workers > 1)
     skipped, bad_locations = 0, []
     start = time.perf_counter()
     chunks = (chunk for path in config.inputs for chunk in _read_chunks(path, config))
     pool = None
     if config.workers > 1:
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # parallelism comes from the processes
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
         pool = multiprocessing.get_context(method).Pool(config.workers, _init_worker, init_args)
         results = _bounded_imap(pool, chunks, in_flight=2 * config.workers)

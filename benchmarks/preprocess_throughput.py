@@ -13,6 +13,8 @@ import argparse
 import json
 import os
 import platform
+import resource
+import statistics
 import tempfile
 import time
 
@@ -68,15 +70,22 @@ def main():
 
     setups = [(f"hf-dlm preprocess --workers {w}", run_hf_dlm, w) for w in args.workers]
     setups += [(f"datasets load_dataset(json) + map(batched, num_proc={n})", run_datasets, n) for n in args.num_proc]
-    best = {}
-    for _ in range(args.rounds):  # interleaved rounds, best of each: the machine is shared and noisy
+    def cpu_seconds():  # this process's threads plus reaped worker processes
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    walls, cpus, token_counts = {}, {}, {}
+    for _ in range(args.rounds):  # interleaved rounds: the machine is shared and noisy
         for name, fn, option in setups:
-            tokens, seconds = fn(option)
-            best[name] = (tokens, min(seconds, best.get(name, (0, float("inf")))[1]))
-    rows = [(name, *best[name]) for name, _, _ in setups]
-    print(f"\n| setup | tokens | seconds | tokens/s |\n|---|---|---|---|")
-    for name, tokens, seconds in rows:
-        print(f"| {name} | {tokens:,} | {seconds:.2f} | {tokens / seconds:,.0f} |")
+            cpu = cpu_seconds()
+            token_counts[name], seconds = fn(option)
+            walls.setdefault(name, []).append(seconds)
+            cpus.setdefault(name, []).append(cpu_seconds() - cpu)
+    print(f"\n| setup | tokens | best wall s | tokens/s (best) | tokens/s (median) | CPU s (median) |\n|---|---|---|---|---|---|")
+    for name, _, _ in setups:
+        tokens, best, median = token_counts[name], min(walls[name]), statistics.median(walls[name])
+        print(f"| {name} | {tokens:,} | {best:.2f} | {tokens / best:,.0f} | {tokens / median:,.0f} | "
+              f"{statistics.median(cpus[name]):.1f} |")
 
 
 if __name__ == "__main__":

@@ -210,3 +210,26 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(tmp_path, tokenizer_
         preprocess(PreprocessConfig(inputs=[jsonl], output_prefix=str(tmp_path / "out"), tokenizer=tokenizer_dir,
                                     chunk_size=8, progress=False))
     assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
+
+
+def test_hub_names_stream_through_datasets_and_missing_columns_are_named(tmp_path, tokenizer_dir, monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(name, split, streaming):  # no network here: a local stream stands in for the hub
+        calls.append((name, split, streaming))
+        return datasets.Dataset.from_dict({"text": DOCS[:7], "meta": list(range(7))}).to_iterable_dataset()
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    report = preprocess(PreprocessConfig(inputs=["someone/corpus"], output_prefix=str(tmp_path / "hub"),
+                                         tokenizer=tokenizer_dir, split="validation", chunk_size=3, progress=False))
+    assert calls == [("someone/corpus", "validation", True)] and report.documents == 7
+    datasets.Dataset.from_dict({"body": DOCS[:3]}).to_parquet(str(tmp_path / "b.parquet"))
+    with pytest.raises(PreprocessError, match=r"b\.parquet: missing column 'text'"):
+        preprocess(PreprocessConfig(inputs=[str(tmp_path / "b.parquet")], output_prefix=str(tmp_path / "p"),
+                                    tokenizer=tokenizer_dir, progress=False))
+    with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
+        preprocess(PreprocessConfig(inputs=[str(tmp_path / "nowhere.jsonl")], output_prefix=str(tmp_path / "q"),
+                                    tokenizer=tokenizer_dir, progress=False))
+    assert not any(name.startswith(("p.", "q.")) for name in os.listdir(tmp_path)) and not leftovers(tmp_path)

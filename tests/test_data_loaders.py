@@ -1,5 +1,7 @@
 """Training datasets: packing, blending, seeded epochs, resume, rank shards, HF streams, SFT data."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -88,6 +90,12 @@ def test_resume_gives_the_same_stream(corpus):
     resumed.load_state_dict(state)
     tail = list(resumed)
     assert [s["sample_index"] for s in head + tail] == full
+    # in one process a new iteration goes on where the last stopped: no index is drawn twice
+    again = make()
+    first = [s["sample_index"] for s in itertools.islice(iter(again), 10)]
+    assert first + [s["sample_index"] for s in again] == full
+    endless = build_pretraining_dataset([corpus[0]], seq_length=16, seed=5, num_epochs=None, rank=0, world_size=2)
+    assert [s["sample_index"] for s in itertools.islice(iter(endless), 200)] == list(range(0, 400, 2))
     assert all(torch.equal(s["input_ids"], want) for s, want in zip(head + tail, full_ids))
 
 

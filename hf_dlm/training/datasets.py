@@ -120,13 +120,16 @@ class ShuffledSamples(Dataset):
     """Global position g -> sample `perm_epoch[g % N]` of `dataset`, with `sample_index = g`.
 
     `perm_epoch` is a permutation seeded by (seed, epoch), epoch = g // N, so each epoch has its own
-    order and the whole stream is a pure function of (seed, g)."""
+    order and the whole stream is a pure function of (seed, g). `num_epochs=None`: endless (no len;
+    for trainers driven by max_steps)."""
 
-    def __init__(self, dataset: Dataset, seed: int = 0, shuffle: bool = True, num_epochs: int = 1):
+    def __init__(self, dataset: Dataset, seed: int = 0, shuffle: bool = True, num_epochs: int | None = 1):
         self.dataset, self.seed, self.shuffle, self.num_epochs = dataset, seed, shuffle, num_epochs
         self.samples_per_epoch = len(dataset)
 
     def __len__(self) -> int:
+        if self.num_epochs is None:
+            raise TypeError("an endless ShuffledSamples (num_epochs=None) has no length")
         return self.samples_per_epoch * self.num_epochs
 
     @lru_cache(maxsize=2)
@@ -135,6 +138,8 @@ class ShuffledSamples(Dataset):
 
     def __getitem__(self, g: int) -> dict:
         epoch, j = divmod(int(g), self.samples_per_epoch)
+        if g < 0 or (self.num_epochs is not None and epoch >= self.num_epochs):
+            raise IndexError(f"position {g} outside {self.num_epochs} epochs of {self.samples_per_epoch} samples")
         item = int(self._order(epoch)[j]) if self.shuffle else j
         sample = dict(self.dataset[item])
         sample["sample_index"] = int(g)
@@ -158,9 +163,10 @@ class DistributedSampleStream(IterableDataset):
     steps of B samples per rank the ranks together have consumed exactly positions [0, s * W * B).
     DataLoader workers split this rank's positions by whole micro-batches of `micro_batch_size`, so
     batches come out in order. `state_dict()` counts what this process yielded (exact with
-    num_workers=0); with workers, resume from `{"consumed_samples": steps * W * B}`. Each new iteration
-    starts at the loaded state: `load_state_dict(state_dict())` to go on from where the last one stopped.
-    `max_samples` (default: len(samples)) ends the stream; None on an endless source loops over epochs.
+    num_workers=0, and inside each worker, where a collate_fn can read it); from the main process with
+    workers, resume from `{"consumed_samples": steps * W * B}`. A new iteration goes on where the last
+    one stopped (in this process, or in persistent workers), so no sample index is drawn twice.
+    `max_samples` (default: len(samples), or endless for an endless `samples`) ends the stream.
     """
 
     def __init__(self, samples: ShuffledSamples, rank: int | None = None, world_size: int | None = None,
@@ -168,7 +174,8 @@ class DistributedSampleStream(IterableDataset):
         self.samples = samples
         self.rank, self.world_size = _distributed_rank_and_world(rank, world_size)
         self.micro_batch_size = micro_batch_size
-        self.max_samples = len(samples) if max_samples == -1 else max_samples
+        endless = getattr(samples, "num_epochs", 1) is None
+        self.max_samples = (None if endless else len(samples)) if max_samples == -1 else max_samples
         self.consumed_samples = consumed_samples
         self._yielded = 0
 
@@ -180,7 +187,8 @@ class DistributedSampleStream(IterableDataset):
 
     def __iter__(self):
         worker = get_worker_info()
-        self._yielded = 0  # every iteration starts at the loaded state
+        self.consumed_samples += self._yielded * self.world_size  # a new iteration goes on where the last stopped
+        self._yielded = 0
         for k, g in enumerate(self._positions()):
             if worker is not None and (k // self.micro_batch_size) % worker.num_workers != worker.id:
                 continue
@@ -205,11 +213,12 @@ def collate(samples: list[dict]) -> dict:
 
 
 def build_pretraining_dataset(prefixes: list[str], seq_length: int, weights: list[float] | None = None,
-                              seed: int = 0, num_epochs: int = 1, blend_size: int | None = None,
+                              seed: int = 0, num_epochs: int | None = 1, blend_size: int | None = None,
                               rank: int | None = None, world_size: int | None = None, micro_batch_size: int = 1,
                               consumed_samples: int = 0) -> DistributedSampleStream:
     """The usual stack: packed windows of each prefix, blended by `weights` (default: by size), shuffled
-    per epoch, this rank's share. Feed it to `torch.utils.data.DataLoader(..., collate_fn=collate)`."""
+    per epoch, this rank's share. Feed it to `torch.utils.data.DataLoader(..., collate_fn=collate)`.
+    `num_epochs=None` streams without end (for a trainer stopped by max_steps)."""
     packed = [PackedDataset(prefix, seq_length) for prefix in prefixes]
     if len(packed) == 1 and weights is None:
         source = packed[0]

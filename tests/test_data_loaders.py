@@ -142,6 +142,7 @@ def test_hf_stream_packs_streaming_datasets_and_resumes(tmp_path):
         resumed = make()
         resumed.load_state_dict(stream.state_dict())
         assert [s["sample_index"] for s in head + list(resumed)] == [s["sample_index"] for s in full]
+        assert list(resumed) == []  # exhausted: a new iteration does not start over
         shards = [{s["sample_index"] for s in make(rank=r, world_size=2)} for r in range(2)]
         assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == {s["sample_index"] for s in full}
 

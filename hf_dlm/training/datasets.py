@@ -104,7 +104,7 @@ class BlendedDataset(Dataset):
     def __len__(self) -> int:
         return self.size
 
-    @lru_cache(maxsize=16)
+    @lru_cache(maxsize=64)
     def _order(self, d: int, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, d, epoch]).permutation(len(self.datasets[d]))
 

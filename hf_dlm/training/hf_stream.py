@@ -74,6 +74,7 @@ class HFPackedStream(IterableDataset):
     def __iter__(self):
         worker = get_worker_info()
         shards, shard = self.world_size, self.rank
+        self.start = self._position  # a new iteration goes on where the last stopped
         if worker is not None:
             shards, shard = shards * worker.num_workers, self.rank * worker.num_workers + worker.id
         epoch = self.start[0]

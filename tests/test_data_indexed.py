@@ -233,3 +233,24 @@ def test_hub_names_stream_through_datasets_and_missing_columns_are_named(tmp_pat
         preprocess(PreprocessConfig(inputs=[str(tmp_path / "nowhere.jsonl")], output_prefix=str(tmp_path / "q"),
                                     tokenizer=tokenizer_dir, progress=False))
     assert not any(name.startswith(("p.", "q.")) for name in os.listdir(tmp_path)) and not leftovers(tmp_path)
+
+
+def test_bad_column_values_are_located_by_row(tmp_path, tokenizer_dir):
+    import datasets
+
+    rows = datasets.Dataset.from_dict({"text": [DOCS[0], None, DOCS[1], "", DOCS[2]]})
+    datasets.DatasetDict({"valid": rows}).save_to_disk(str(tmp_path / "saved"))
+    rows.to_parquet(str(tmp_path / "r.parquet"))
+    for path, extra in ((str(tmp_path / "r.parquet"), {}), (str(tmp_path / "saved"), {"split": "valid"})):
+        config = PreprocessConfig(inputs=[path], output_prefix=str(tmp_path / "o"), tokenizer=tokenizer_dir,
+                                  progress=False, overwrite=True, **extra)
+        with pytest.raises(PreprocessError, match=r":row 2: missing value for 'text' \(null\)"):
+            preprocess(config)
+        config.skip_bad_lines = True
+        report = preprocess(config)
+        assert report.documents == 3 and report.skipped == 2
+        assert [location.split(":")[-1] for location in report.bad_locations] == ["row 2 (missing value for 'text' (null))",
+                                                                                   "row 4 (empty document)"]
+    with pytest.raises(PreprocessError, match="no split 'train'"):
+        preprocess(PreprocessConfig(inputs=[str(tmp_path / "saved")], output_prefix=str(tmp_path / "t"),
+                                    tokenizer=tokenizer_dir, progress=False))

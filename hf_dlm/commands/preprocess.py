@@ -21,7 +21,8 @@ def add_arguments(parser):
             parser.add_argument(flag, required=True, help=help_text)
         else:
             kind = int if field.type == "int" else str
-            parser.add_argument(flag, type=kind, default=field.default, help=f"{help_text} (default: {field.default})")
+            suffix = "" if field.default is None else f" (default: {field.default})"
+            parser.add_argument(flag, type=kind, default=field.default, help=help_text + suffix)
 
 
 def run(args) -> int:

@@ -191,3 +191,27 @@ def test_sft_prompt_mask_and_both_padding_policies(chat_tokenizer):
         SFTDataset(rows, tok, SFTDataConfig(max_length=len(prompt)))[0]
     with pytest.raises(ValueError, match="padding must be one of"):
         SFTDataConfig(padding="left")
+
+
+def test_packed_batches_drive_the_model_and_documents_stay_apart(tmp_path):
+    from hf_dlm.training.objective import MaskedDiffusionObjective
+    from tests.conftest import MASK_ID, tiny_model
+
+    rng = np.random.default_rng(1)
+    prefix = write_docs(tmp_path / "m", [rng.integers(0, MASK_ID, size=n) for n in (5, 30, 11, 9, 40, 17)])
+    loader = DataLoader(build_pretraining_dataset([prefix], seq_length=24, seed=0), batch_size=2, collate_fn=collate)
+    batch = next(iter(loader))
+    model = tiny_model()
+    objective = MaskedDiffusionObjective(mask_token_id=MASK_ID)
+    loss, _ = objective(model, batch["input_ids"], batch["sample_index"], position_ids=batch["position_ids"])
+    assert torch.isfinite(loss) and loss > 0
+    # a window holding several documents: logits of one document ignore the tokens of the others
+    window = PackedDataset(prefix, seq_length=24)[0]  # documents of 5 and 30 tokens: starts at 0 and 5
+    assert window["position_ids"][5] == 0
+    ids, changed = window["input_ids"][None], window["input_ids"][None].clone()
+    changed[0, 5:] = (changed[0, 5:] + 1) % MASK_ID
+    with torch.no_grad():
+        a = model(input_ids=ids, position_ids=window["position_ids"][None], return_logits=True).logits
+        b = model(input_ids=changed, position_ids=window["position_ids"][None], return_logits=True).logits
+    torch.testing.assert_close(a[0, :5], b[0, :5])
+    assert not torch.allclose(a[0, 5:], b[0, 5:])

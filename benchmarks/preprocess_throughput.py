@@ -4,7 +4,8 @@
     python benchmarks/preprocess_throughput.py --copies 8 --vocab-size 8192
 
 Both sides start from the same JSONL file and end with token ids on disk (hf-dlm: .bin/.idx; datasets:
-its Arrow cache, in a fresh cache directory so nothing is reused). Setups run in interleaved rounds and the best time of each is printed.
+its Arrow cache, in a fresh cache directory so nothing is reused). Setups run in interleaved rounds;
+the best and median wall times and the median CPU time of each are printed.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def main():
             for doc in docs:
                 f.write(json.dumps({"text": doc}) + "\n")
     size_mb = os.path.getsize(corpus) / 2**20
-    print(f"corpus: {len(docs) * args.copies:,} documents, {size_mb:.1f} MiB JSONL; {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs")
+    print(f"corpus: {len(docs) * args.copies:,} documents, {size_mb:.1f} MiB JSONL; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     import datasets
     from transformers import AutoTokenizer
 
@@ -81,7 +82,8 @@ def main():
             token_counts[name], seconds = fn(option)
             walls.setdefault(name, []).append(seconds)
             cpus.setdefault(name, []).append(cpu_seconds() - cpu)
-    print(f"\n| setup | tokens | best wall s | tokens/s (best) | tokens/s (median) | CPU s (median) |\n|---|---|---|---|---|---|")
+    print("\n| setup | tokens | best wall s | tokens/s (best) | tokens/s (median) | CPU s (median) |")
+    print("|---|---|---|---|---|---|")
     for name, _, _ in setups:
         tokens, best, median = token_counts[name], min(walls[name]), statistics.median(walls[name])
         print(f"| {name} | {tokens:,} | {best:.2f} | {tokens / best:,.0f} | {tokens / median:,.0f} | "

@@ -47,7 +47,10 @@ class HFPackedStream(IterableDataset):
         data = self.dataset
         streaming = isinstance(data, datasets.IterableDataset)
         if self.shuffle:
-            data = data.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer_size) if streaming else data.shuffle(seed=self.seed + epoch)
+            if streaming:
+                data = data.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer_size)
+            else:
+                data = data.shuffle(seed=self.seed + epoch)
         if streaming:
             data.set_epoch(epoch)
         column = "input_ids" if self.tokenizer is None else self.text_column

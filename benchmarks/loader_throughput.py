@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import atexit
+import shutil
 import tempfile
 import time
 
@@ -32,6 +34,7 @@ def main():
     from hf_dlm.training.indexed_dataset import IndexedDatasetWriter
 
     work = tempfile.mkdtemp(prefix="hf_dlm_loader_")
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     rng = np.random.default_rng(0)
     prefixes = []
     for k in range(2):  # documents of log-normal length (median ~600 tokens), vocab of Qwen3 (int32 ids)

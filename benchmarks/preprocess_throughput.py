@@ -16,6 +16,8 @@ import os
 import platform
 import resource
 import statistics
+import atexit
+import shutil
 import tempfile
 import time
 
@@ -33,6 +35,7 @@ def main():
     from hf_dlm.training.preprocess import PreprocessConfig, preprocess
 
     work = tempfile.mkdtemp(prefix="hf_dlm_bench_")
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     docs = stdlib_documents()
     tokenizer = train_bpe_tokenizer(docs, vocab_size=args.vocab_size)
     tokenizer.save_pretrained(os.path.join(work, "tok"))

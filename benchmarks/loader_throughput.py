@@ -48,7 +48,8 @@ def main():
           f"{os.cpu_count()} CPUs, torch {torch.__version__}")
     print("\n| DataLoader workers | samples/s | tokens/s |\n|---|---|---|")
     for num_workers in args.num_workers:
-        stream = build_pretraining_dataset(prefixes, args.seq_length, weights=[0.7, 0.3], seed=0, num_epochs=None, rank=1, world_size=8,
+        stream = build_pretraining_dataset(prefixes, args.seq_length, weights=[0.7, 0.3], seed=0, num_epochs=None,
+                                           rank=1, world_size=8,
                                            micro_batch_size=args.batch_size)
         loader = DataLoader(stream, batch_size=args.batch_size, collate_fn=collate, num_workers=num_workers,
                             pin_memory=False)

@@ -254,3 +254,37 @@ def test_bad_column_values_are_located_by_row(tmp_path, tokenizer_dir):
     with pytest.raises(PreprocessError, match="no split 'train'"):
         preprocess(PreprocessConfig(inputs=[str(tmp_path / "saved")], output_prefix=str(tmp_path / "t"),
                                     tokenizer=tokenizer_dir, progress=False))
+
+
+def test_killed_run_leaves_only_temporary_files(tmp_path, tokenizer_dir):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    jsonl = write_jsonl(tmp_path / "c.jsonl", [b"\xef\xbb\xbf" + json.dumps({"text": DOCS[0]}).encode() + b"\n"]
+                        + [{"text": d} for d in DOCS])
+    script = (  # every chunk after the first takes a long time, so the kill lands mid-run
+        "import sys, time\n"
+        "from hf_dlm.training import preprocess as p\n"
+        "real = p._encode_chunk\n"
+        "def slow(chunk):\n"
+        "    if chunk[2] > 1: time.sleep(60)\n"
+        "    return real(chunk)\n"
+        "p._encode_chunk = slow\n"
+        f"p.preprocess(p.PreprocessConfig(inputs=[{jsonl!r}], output_prefix={str(tmp_path / 'out')!r}, "
+        f"tokenizer={tokenizer_dir!r}, chunk_size=4, progress=False))\n")
+    process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 60
+    while not leftovers(tmp_path) and time.time() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    time.sleep(0.5)  # the first chunk gets written
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert leftovers(tmp_path) and not os.path.exists(tmp_path / "out.idx") and not os.path.exists(tmp_path / "out.bin")
+    with pytest.raises(FileNotFoundError, match="out.idx does not exist"):
+        IndexedDataset(str(tmp_path / "out"))
+    # the next run ignores the dead run's temporary files; the BOM on line 1 is not an error
+    report = preprocess(PreprocessConfig(inputs=[jsonl], output_prefix=str(tmp_path / "out"), tokenizer=tokenizer_dir,
+                                         progress=False))
+    assert report.documents == len(DOCS) + 1 and IndexedDataset(str(tmp_path / "out")).num_documents == len(DOCS) + 1

@@ -182,7 +182,7 @@ def _record_text(kind: str, record, key: str) -> str:
     """The document text of one record, or a ValueError saying what is wrong with it."""
     if kind == "jsonl":
         try:
-            line = record.decode("utf-8")
+            line = record.decode("utf-8-sig")  # -sig: a byte-order mark at the start of a file is not JSON
         except UnicodeDecodeError as error:
             raise ValueError(f"not valid UTF-8 (byte {error.start})") from None
         try:

@@ -215,3 +215,17 @@ def test_packed_batches_drive_the_model_and_documents_stay_apart(tmp_path):
         b = model(input_ids=changed, position_ids=window["position_ids"][None], return_logits=True).logits
     torch.testing.assert_close(a[0, :5], b[0, :5])
     assert not torch.allclose(a[0, 5:], b[0, 5:])
+
+
+def test_accelerate_sharding_of_the_full_stream_keeps_global_indices(corpus):
+    from accelerate.data_loader import IterableDatasetShard
+
+    samples = ShuffledSamples(PackedDataset(corpus[0], seq_length=16), seed=0, num_epochs=2)
+    shards = []
+    for process_index in range(2):  # what DLMTrainer's accelerate does with rank 0 / world size 1 streams
+        stream = DistributedSampleStream(samples)
+        shard = IterableDatasetShard(stream, batch_size=3, num_processes=2, process_index=process_index, drop_last=True)
+        shards.append([s["sample_index"] for s in shard])
+        assert stream.state_dict()["consumed_samples"] == len(samples)  # every rank reads the whole stream
+    assert set(shards[0]).isdisjoint(shards[1])
+    assert sorted(shards[0] + shards[1]) == list(range(len(samples) // 6 * 6))

@@ -146,14 +146,19 @@ class ShuffledSamples(Dataset):
         return sample
 
 
-def _distributed_rank_and_world(rank, world_size) -> tuple[int, int]:
-    if rank is None or world_size is None:
-        initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-        rank = (torch.distributed.get_rank() if initialized else 0) if rank is None else rank
-        world_size = (torch.distributed.get_world_size() if initialized else 1) if world_size is None else world_size
+def data_parallel_rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of torch.distributed, (0, 1) when it is not initialised: for plain PyTorch DDP
+    loops. Under DLMTrainer / accelerate keep the default (0, 1): accelerate shards an iterable dataset
+    itself (`IterableDatasetShard`: every rank reads the whole stream and keeps its slice of each
+    global batch), and sharding here as well would silently drop data."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _check_rank(rank: int, world_size: int) -> None:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
-    return rank, world_size
 
 
 class DistributedSampleStream(IterableDataset):
@@ -161,6 +166,8 @@ class DistributedSampleStream(IterableDataset):
 
     Rank r of W takes positions consumed + r, consumed + r + W, ...: ranks never overlap, and after s
     steps of B samples per rank the ranks together have consumed exactly positions [0, s * W * B).
+    Pass rank / world size for loops that shard themselves (`data_parallel_rank_and_world()`); keep 0 / 1
+    under DLMTrainer / accelerate, which shard iterable datasets on their own.
     DataLoader workers split this rank's positions by whole micro-batches of `micro_batch_size`, so
     batches come out in order. `state_dict()` counts what this process yielded (exact with
     num_workers=0, and inside each worker, where a collate_fn can read it); from the main process with
@@ -169,10 +176,11 @@ class DistributedSampleStream(IterableDataset):
     `max_samples` (default: len(samples), or endless for an endless `samples`) ends the stream.
     """
 
-    def __init__(self, samples: ShuffledSamples, rank: int | None = None, world_size: int | None = None,
+    def __init__(self, samples: ShuffledSamples, rank: int = 0, world_size: int = 1,
                  micro_batch_size: int = 1, consumed_samples: int = 0, max_samples: int | None = -1):
         self.samples = samples
-        self.rank, self.world_size = _distributed_rank_and_world(rank, world_size)
+        _check_rank(rank, world_size)
+        self.rank, self.world_size = rank, world_size
         self.micro_batch_size = micro_batch_size
         endless = getattr(samples, "num_epochs", 1) is None
         self.max_samples = (None if endless else len(samples)) if max_samples == -1 else max_samples
@@ -214,7 +222,7 @@ def collate(samples: list[dict]) -> dict:
 
 def build_pretraining_dataset(prefixes: list[str], seq_length: int, weights: list[float] | None = None,
                               seed: int = 0, num_epochs: int | None = 1, blend_size: int | None = None,
-                              rank: int | None = None, world_size: int | None = None, micro_batch_size: int = 1,
+                              rank: int = 0, world_size: int = 1, micro_batch_size: int = 1,
                               consumed_samples: int = 0) -> DistributedSampleStream:
     """The usual stack: packed windows of each prefix, blended by `weights` (default: by size), shuffled
     per epoch, this rank's share. Feed it to `torch.utils.data.DataLoader(..., collate_fn=collate)`.

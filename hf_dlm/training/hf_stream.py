@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .datasets import _distributed_rank_and_world, packed_position_ids
+from .datasets import _check_rank, packed_position_ids
 
 EPOCH_STRIDE = 2 ** 40  # more windows than any epoch has
 
@@ -29,11 +29,12 @@ class HFPackedStream(IterableDataset):
 
     def __init__(self, dataset, seq_length: int, tokenizer=None, text_column: str = "text", append_eod: bool = True,
                  seed: int = 0, shuffle: bool = True, shuffle_buffer_size: int = 10_000, num_epochs: int | None = 1,
-                 rank: int | None = None, world_size: int | None = None, batch_size: int = 256):
+                 rank: int = 0, world_size: int = 1, batch_size: int = 256):
         self.dataset, self.seq_length, self.tokenizer = dataset, seq_length, tokenizer
         self.text_column, self.append_eod, self.seed, self.shuffle = text_column, append_eod, seed, shuffle
         self.shuffle_buffer_size, self.num_epochs, self.batch_size = shuffle_buffer_size, num_epochs, batch_size
-        self.rank, self.world_size = _distributed_rank_and_world(rank, world_size)
+        _check_rank(rank, world_size)  # as in DistributedSampleStream: keep 0 / 1 under accelerate
+        self.rank, self.world_size = rank, world_size
         self.start = (0, 0)  # (epoch, window) to resume from
         self._position = self.start
         if tokenizer is None and "input_ids" not in (dataset.column_names or []):

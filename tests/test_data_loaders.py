@@ -115,6 +115,10 @@ def test_dataloader_workers_keep_order_and_collate(corpus):
     stream = DistributedSampleStream(samples, rank=1, world_size=2, micro_batch_size=4, max_samples=40)
     batches = list(DataLoader(stream, batch_size=4, num_workers=2, collate_fn=collate))
     assert [b["sample_index"].tolist() for b in batches[:2]] == [[1, 3, 5, 7], [9, 11, 13, 15]]
+    # a collate_fn running in the worker sees the exact position after its batch
+    stateful = lambda samples: {**collate(samples), "state": stream.state_dict()["consumed_samples"]}  # noqa: E731
+    states = [b["state"] for b in DataLoader(stream, batch_size=4, num_workers=2, collate_fn=stateful)]
+    assert states == [8 * (s + 1) for s in range(len(states))]
     batch = batches[0]
     assert batch["input_ids"].shape == batch["position_ids"].shape == (4, 16)
     assert batch["sample_index"].dtype == torch.long and batch["sample_index"].shape == (4,)

@@ -169,9 +169,10 @@ class DistributedSampleStream(IterableDataset):
     Pass rank / world size for loops that shard themselves (`data_parallel_rank_and_world()`); keep 0 / 1
     under DLMTrainer / accelerate, which shard iterable datasets on their own.
     DataLoader workers split this rank's positions by whole micro-batches of `micro_batch_size`, so
-    batches come out in order. `state_dict()` counts what this process yielded (exact with
-    num_workers=0, and inside each worker, where a collate_fn can read it); from the main process with
-    workers, resume from `{"consumed_samples": steps * W * B}`. A new iteration goes on where the last
+    batches come out in order. `state_dict()` is the position right after the last sample this process
+    yielded: exact with num_workers=0, and inside a worker right after it yields a batch (where a
+    collate_fn reads it, as DLMDataCollator does); the main process's copy does not move when workers
+    read, so there resume from `{"consumed_samples": steps * W * B}`. A new iteration goes on where the last
     one stopped (in this process, or in persistent workers), so no sample index is drawn twice.
     `max_samples` (default: len(samples), or endless for an endless `samples`) ends the stream.
     """
@@ -185,7 +186,7 @@ class DistributedSampleStream(IterableDataset):
         endless = getattr(samples, "num_epochs", 1) is None
         self.max_samples = (None if endless else len(samples)) if max_samples == -1 else max_samples
         self.consumed_samples = consumed_samples
-        self._yielded = 0
+        self._next_k = 0  # this rank's local index after the last yielded sample
 
     def _positions(self):
         g = self.consumed_samples + self.rank
@@ -195,20 +196,20 @@ class DistributedSampleStream(IterableDataset):
 
     def __iter__(self):
         worker = get_worker_info()
-        self.consumed_samples += self._yielded * self.world_size  # a new iteration goes on where the last stopped
-        self._yielded = 0
+        self.consumed_samples += self._next_k * self.world_size  # a new iteration goes on where the last stopped
+        self._next_k = 0
         for k, g in enumerate(self._positions()):
             if worker is not None and (k // self.micro_batch_size) % worker.num_workers != worker.id:
                 continue
             sample = self.samples[g]
-            self._yielded += 1
+            self._next_k = k + 1
             yield sample
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples + self._yielded * self.world_size}
+        return {"consumed_samples": self.consumed_samples + self._next_k * self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
-        self.consumed_samples, self._yielded = int(state["consumed_samples"]), 0
+        self.consumed_samples, self._next_k = int(state["consumed_samples"]), 0
 
 
 def collate(samples: list[dict]) -> dict:

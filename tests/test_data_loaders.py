@@ -149,6 +149,14 @@ def test_hf_stream_packs_streaming_datasets_and_resumes(tmp_path):
         assert list(resumed) == []  # exhausted: a new iteration does not start over
         shards = [{s["sample_index"] for s in make(rank=r, world_size=2)} for r in range(2)]
         assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == {s["sample_index"] for s in full}
+    # DataLoader workers: batches in window order, and the worker-side state resumes exactly after a batch
+    stream = HFPackedStream(in_memory, seq_length=8, append_eod=False, seed=1, micro_batch_size=2)
+    stateful = lambda samples: {**collate(samples), "state": stream.state_dict()}  # noqa: E731
+    batches = list(DataLoader(stream, batch_size=2, num_workers=2, collate_fn=stateful))
+    assert [b["sample_index"].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    resumed = HFPackedStream(in_memory, seq_length=8, append_eod=False, seed=1)
+    resumed.load_state_dict(batches[0]["state"])
+    assert [s["sample_index"] for s in resumed] == list(range(2, 8))
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"

@@ -29,12 +29,12 @@ class HFPackedStream(IterableDataset):
 
     def __init__(self, dataset, seq_length: int, tokenizer=None, text_column: str = "text", append_eod: bool = True,
                  seed: int = 0, shuffle: bool = True, shuffle_buffer_size: int = 10_000, num_epochs: int | None = 1,
-                 rank: int = 0, world_size: int = 1, batch_size: int = 256):
+                 rank: int = 0, world_size: int = 1, micro_batch_size: int = 1, batch_size: int = 256):
         self.dataset, self.seq_length, self.tokenizer = dataset, seq_length, tokenizer
         self.text_column, self.append_eod, self.seed, self.shuffle = text_column, append_eod, seed, shuffle
         self.shuffle_buffer_size, self.num_epochs, self.batch_size = shuffle_buffer_size, num_epochs, batch_size
         _check_rank(rank, world_size)  # as in DistributedSampleStream: keep 0 / 1 under accelerate
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.micro_batch_size = rank, world_size, micro_batch_size
         self.start = (0, 0)  # (epoch, window) to resume from
         self._position = self.start
         if tokenizer is None and "input_ids" not in (dataset.column_names or []):
@@ -77,14 +77,15 @@ class HFPackedStream(IterableDataset):
 
     def __iter__(self):
         worker = get_worker_info()
-        shards, shard = self.world_size, self.rank
         self.start = self._position  # a new iteration goes on where the last stopped
-        if worker is not None:
-            shards, shard = shards * worker.num_workers, self.rank * worker.num_workers + worker.id
         epoch = self.start[0]
         while self.num_epochs is None or epoch < self.num_epochs:
             for number, tokens, starts in self._windows(epoch):
-                if (epoch, number) < self.start or number % shards != shard:
+                if (epoch, number) < self.start or number % self.world_size != self.rank:
+                    continue
+                # DataLoader workers take whole micro-batches in turn, so batches come out in window order
+                local_batch = number // self.world_size // self.micro_batch_size
+                if worker is not None and local_batch % worker.num_workers != worker.id:
                     continue
                 self._position = (epoch, number + 1)
                 yield {"input_ids": torch.tensor(tokens, dtype=torch.long),
@@ -93,7 +94,8 @@ class HFPackedStream(IterableDataset):
             epoch += 1
 
     def state_dict(self) -> dict:
-        """Where this process stands (exact with num_workers=0): the next (epoch, window) to read."""
+        """The next (epoch, window) to read: exact with num_workers=0, and inside a worker right after it
+        yields a batch (where a collate_fn reads it)."""
         return {"epoch": self._position[0], "window": self._position[1]}
 
     def load_state_dict(self, state: dict) -> None:

@@ -199,6 +199,9 @@ def test_sft_prompt_mask_and_both_padding_policies(chat_tokenizer):
                                    batch["attention_mask"], batch["prompt_mask"])
         assert torch.equal(inputs["input_ids"][:, :len(prompt)], batch["input_ids"][:, :len(prompt)])
         assert ((inputs["labels"][:, used:] != -100).any()) == padding_supervised
+    datasets = pytest.importorskip("datasets")
+    from_hf = SFTDataset(datasets.Dataset.from_list(rows), tok, SFTDataConfig(max_length=48))[0]
+    assert all(torch.equal(from_hf[key], eos[key]) for key in ("input_ids", "attention_mask", "prompt_mask"))
     with pytest.raises(ValueError, match="row 0: the prompt has"):
         SFTDataset(rows, tok, SFTDataConfig(max_length=len(prompt)))[0]
     with pytest.raises(ValueError, match="padding must be one of"):

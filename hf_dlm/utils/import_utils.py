@@ -18,6 +18,7 @@ _EXTRAS = {
     "datasets": "train",
     "pyarrow": "train",
     "yaml": "train",
+    "zstandard": "train",
     "trl": "trl",
     "peft": "trl",
     "torchao": "fp8",
@@ -59,6 +60,10 @@ def is_pyarrow_available() -> bool:
 
 def is_yaml_available() -> bool:
     return _is_available("yaml")
+
+
+def is_zstandard_available() -> bool:
+    return _is_available("zstandard")
 
 
 def is_trl_available() -> bool:

@@ -98,9 +98,90 @@ def _random_data(options: dict, model_options: dict) -> dict:
             "tokenizer": None}
 
 
-DATA_BUILDERS: dict[str, Callable[[dict, dict], dict]] = {"corpus": _corpus_data, "random": _random_data}
+def _tokenizer_ids(options: dict, model_options: dict, kind: str):
+    """Load `data.tokenizer` and take vocab / mask / eos / pad ids from it where the model section is silent."""
+    if not options.get("tokenizer"):
+        raise ConfigError(f"data.kind {kind!r} needs data.tokenizer (a name or path with a mask token)")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(options["tokenizer"])
+    if tokenizer.mask_token_id is None and model_options.get("mask_token_id") is None:
+        raise ConfigError(f"data.tokenizer {options['tokenizer']!r} has no mask token; add one "
+                          "(hf-dlm convert adds it for AR checkpoints) or set model.config.mask_token_id")
+    for field, value in (("vocab_size", len(tokenizer)), ("mask_token_id", tokenizer.mask_token_id),
+                         ("eos_token_id", tokenizer.eos_token_id), ("pad_token_id", tokenizer.pad_token_id)):
+        if model_options.get(field) is None and value is not None:
+            model_options[field] = value
+    return tokenizer
+
+
+def _indexed_data(options: dict, model_options: dict) -> dict:
+    """Megatron indexed files (`hf-dlm preprocess`): packed windows, blended by weight, shuffled per epoch,
+    endless (stop with training.max_steps). accelerate shards the stream over ranks; its position is saved
+    in every checkpoint."""
+    from .datasets import PackedDataset, build_pretraining_dataset
+    from .memory_dataset import TokenWindowDataset
+
+    prefixes = options.get("prefixes")
+    if isinstance(prefixes, str):
+        prefixes = [prefixes]
+    if not prefixes:
+        raise ConfigError("data.prefixes must list at least one indexed-file prefix (OUT of OUT.bin / OUT.idx)")
+    tokenizer = _tokenizer_ids(options, model_options, "indexed")
+    seq_len = options.get("seq_len", 2048)
+    try:
+        train = build_pretraining_dataset(prefixes, seq_len, weights=options.get("weights"),
+                                          seed=options.get("seed", 0), num_epochs=None)
+        eval_set = None
+        if options.get("eval_prefix"):
+            packed = PackedDataset(options["eval_prefix"], seq_len)
+            rows = [packed[i] for i in range(min(len(packed), options.get("eval_windows", 32)))]
+            eval_set = TokenWindowDataset(torch.stack([r["input_ids"] for r in rows]))
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"data: {error}") from None
+    return {"train": train, "eval": eval_set, "tokenizer": tokenizer}
+
+
+def _sft_data(options: dict, model_options: dict) -> dict:
+    """Chat JSONL (one {"messages": [...]} per line) through the tokenizer's chat template; prompt tokens
+    are never noised; `padding` 'eos' (LLaDA: train on EOS padding) or 'exclude'."""
+    import json
+
+    from .sft_data import SFTDataConfig, SFTDataset
+
+    tokenizer = _tokenizer_ids(options, model_options, "sft")
+    rows = []
+    for key in ("train_file", "eval_file"):
+        path, loaded = options.get(key), []
+        if path:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    for number, line in enumerate(f, 1):
+                        if line.strip():
+                            try:
+                                loaded.append(json.loads(line))
+                            except json.JSONDecodeError as error:
+                                raise ConfigError(f"{path}:{number}: malformed JSON ({error.msg})") from None
+            except OSError as error:
+                raise ConfigError(f"data.{key}: {error}") from None
+        rows.append(loaded)
+    if not rows[0]:
+        raise ConfigError("data.train_file must name a JSONL file with at least one conversation")
+    try:
+        config = SFTDataConfig(max_length=options.get("max_length", 1024), padding=options.get("padding", "eos"))
+        train = SFTDataset(rows[0], tokenizer, config)
+        return {"train": train, "eval": SFTDataset(rows[1], tokenizer, config) if rows[1] else None,
+                "tokenizer": tokenizer}
+    except ValueError as error:
+        raise ConfigError(f"data: {error}") from None
+
+
+DATA_BUILDERS: dict[str, Callable[[dict, dict], dict]] = {
+    "corpus": _corpus_data, "random": _random_data, "indexed": _indexed_data, "sft": _sft_data}
 _DATA_OPTIONS = {"corpus": {"seq_len", "vocab_size", "eval_windows", "max_files", "packed_positions"},
-                 "random": {"seq_len", "num_samples", "eval_windows", "seed"}}
+                 "random": {"seq_len", "num_samples", "eval_windows", "seed"},
+                 "indexed": {"prefixes", "weights", "tokenizer", "seq_len", "seed", "eval_prefix", "eval_windows"},
+                 "sft": {"train_file", "eval_file", "tokenizer", "max_length", "padding"}}
 
 
 def register_data_builder(kind: str, builder: Callable[[dict, dict], dict], options: set[str] | None = None) -> None:

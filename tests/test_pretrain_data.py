@@ -1,0 +1,86 @@
+"""End to end: `hf-dlm preprocess` output and chat JSONL feeding `hf-dlm train` through the YAML data kinds."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from hf_dlm.training.corpus import split_documents, stdlib_documents, train_bpe_tokenizer
+from hf_dlm.training.preprocess import PreprocessConfig, preprocess
+from hf_dlm.training.pretrain import ConfigError, build_trainer, load_config, run_pretraining
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+MODEL = {"attn_implementation": "sdpa",
+         "config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "max_position_embeddings": 128}}
+TRAINING = {"use_cpu": True, "max_steps": 4, "per_device_train_batch_size": 4, "save_steps": 2,
+            "logging_steps": 2, "report_to": "none", "disable_tqdm": True, "learning_rate": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    docs = stdlib_documents(max_files=30)
+    tokenizer = train_bpe_tokenizer(docs, vocab_size=300)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    path = tmp_path_factory.mktemp("tok")
+    tokenizer.save_pretrained(path)
+    return path, docs
+
+
+def _config(tmp_path, data, **training):
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": MODEL, "data": data,
+                                    "training": {**TRAINING, "output_dir": str(tmp_path / "out"), **training}}))
+    return str(path)
+
+
+def test_preprocessed_indexed_files_train_and_checkpoint_their_position(tmp_path, tokenizer_dir):
+    tokenizer_path, docs = tokenizer_dir
+    train_docs, heldout = split_documents(docs, heldout_fraction=0.2)
+    for name, part in (("train", train_docs), ("heldout", heldout)):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": d}) + "\n" for d in part)
+        preprocess(PreprocessConfig(inputs=[str(tmp_path / f"{name}.jsonl")], output_prefix=str(tmp_path / name),
+                                    tokenizer=str(tokenizer_path), append_eod=True, progress=False))
+    data = {"kind": "indexed", "prefixes": [str(tmp_path / "train")], "tokenizer": str(tokenizer_path),
+            "seq_len": 32, "eval_prefix": str(tmp_path / "heldout"), "eval_windows": 4}
+    metrics = run_pretraining(_config(tmp_path, data))
+    assert metrics["train_loss"] > 0 and metrics["eval_nll_per_token"] > 0
+    state = torch.load(tmp_path / "out" / "checkpoint-4" / "data_state_rank0.pt", weights_only=False)
+    assert state == {"consumed_samples": 16}  # 4 steps of 4 windows
+
+
+def test_sft_chat_jsonl_trains_without_supervising_the_prompt(tmp_path, tokenizer_dir):
+    tokenizer_path, _ = tokenizer_dir
+    rows = [{"messages": [{"role": "user", "content": f"What does statement {i} do?"},
+                          {"role": "assistant", "content": "It runs a loop."}]} for i in range(8)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {"kind": "sft", "train_file": str(tmp_path / "chat.jsonl"), "tokenizer": str(tokenizer_path),
+            "max_length": 48}
+    trainer, tokenizer = build_trainer(load_config(_config(tmp_path, data, objective_preset="llada")))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+    inputs = trainer._corrupt(batch, torch.device("cpu"))
+    supervised = inputs["labels"] != -100
+    assert supervised.any() and not (supervised & batch["prompt_mask"]).any()
+    assert trainer.train().training_loss > 0
+
+
+def test_bad_data_sections_name_the_field_file_and_line(tmp_path, tokenizer_dir):
+    tokenizer_path, _ = tokenizer_dir
+    with pytest.raises(ConfigError, match="data.prefixes"):
+        build_trainer(load_config(_config(tmp_path, {"kind": "indexed", "tokenizer": str(tokenizer_path)})))
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        build_trainer(load_config(_config(tmp_path, {"kind": "indexed", "prefixes": ["x"]})))
+    (tmp_path / "bad.jsonl").write_text('{"messages": []}\n{oops\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: malformed JSON"):
+        build_trainer(load_config(_config(tmp_path, {"kind": "sft", "train_file": str(tmp_path / "bad.jsonl"),
+                                                     "tokenizer": str(tokenizer_path)})))
+    missing = tmp_path / "missing"
+    with pytest.raises(ConfigError, match="missing"):
+        build_trainer(load_config(_config(tmp_path, {"kind": "indexed", "prefixes": [str(missing)],
+                                                     "tokenizer": str(tokenizer_path)})))
+    assert not os.path.exists(tmp_path / "out" / "checkpoint-2")

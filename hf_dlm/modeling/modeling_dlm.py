@@ -182,6 +182,13 @@ class DLMPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = False  # the masked-only head gathers a data-dependent number of rows
     _supports_attention_backend = True
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save, plus self-contained remote code, `auto_map` and a model card
+        (`hf_dlm.conversion.hub`), so the folder loads with `trust_remote_code=True` without hf-dlm."""
+        from ..conversion.hub import save_with_remote_code
+
+        return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
+
 
 class DLMModel(DLMPreTrainedModel):
     def __init__(self, config: DLMConfig):

@@ -23,7 +23,8 @@ def add_arguments(parser):
             parser.add_argument(flag, action="store_true", help=field.metadata["help"])
         else:
             kind = int if field.name == "mask_token_id" else str
-            parser.add_argument(flag, type=kind, default=field.default, help=field.metadata["help"])
+            parser.add_argument(flag, type=kind, default=field.default, choices=field.metadata.get("choices"),
+                                help=field.metadata["help"])
 
 
 def run(args) -> int:

@@ -31,13 +31,16 @@ class ConversionOptions:
     """How an AR / DLM checkpoint becomes an hf-dlm model."""
 
     attention_mode: str | None = field(default=None, metadata={
-        "help": "bidirectional / causal / block; default: bidirectional (the source's own mode for megatron / dlm)"})
+        "choices": ("bidirectional", "causal", "block"),
+        "help": "attention of the converted model; default: bidirectional (megatron / dlm sources keep their own)"})
     label_alignment: str | None = field(default=None, metadata={
-        "help": "same / shift; default: shift for adapted AR weights and Dream, same for LLaDA"})
+        "choices": ("same", "shift"),
+        "help": "label alignment; default: shift for adapted AR weights and Dream, same for LLaDA"})
     mask_token_id: int | None = field(default=None, metadata={
         "help": "use this existing token id as [MASK] instead of adding a token"})
     mask_token: str = field(default=DEFAULT_MASK_TOKEN, metadata={"help": "text of the mask token added to the tokenizer"})
-    dtype: str | None = field(default=None, metadata={"help": "float32 / bfloat16 / float16; default: the source's"})
+    dtype: str | None = field(default=None, metadata={
+        "choices": ("float32", "bfloat16", "float16"), "help": "dtype of the saved weights; default: the source's"})
     base_model: str | None = field(default=None, metadata={"help": "Hub id of the source, recorded in the model card"})
     trust_pickle: bool = field(default=False, metadata={"help": "allow full unpickling of Megatron checkpoints"})
 

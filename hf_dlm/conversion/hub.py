@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 from .model_card import write_info, write_model_card
-from .remote_code import write_remote_code
+from .remote_code import remove_remote_code, write_remote_code
 
 _HUB_KWARGS = ("repo_id", "commit_message", "create_pr", "private")
 
@@ -28,7 +29,13 @@ def save_with_remote_code(model, transformers_save, save_directory, *args, **kwa
     hub_options = {key: kwargs.pop(key) for key in _HUB_KWARGS if key in kwargs}
     result = transformers_save(save_directory, *args, **kwargs)
     if kwargs.get("is_main_process", args[0] if args else True):
-        write_remote_code(save_directory)
+        try:
+            write_remote_code(save_directory)
+        except (ImportError, NotImplementedError, NameError, SyntaxError) as error:
+            # the weights are saved; a checkpoint save in a training run must not die over the extra files
+            warnings.warn(f"{save_directory}: saved without remote code ({error}); it loads where hf-dlm is installed",
+                          stacklevel=3)
+            remove_remote_code(save_directory)
         if not (Path(save_directory) / "README.md").exists():
             write_model_card(save_directory, model.config)
         if push:
@@ -52,6 +59,7 @@ def prepare_hub_folder(
     and `training_details`."""
     folder = Path(folder)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
+    write_remote_code(folder)  # again, so that an export problem is an error here rather than a warning
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     write_info(folder, base_model=base_model, training=training_details or None)

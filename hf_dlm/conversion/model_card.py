@@ -73,7 +73,7 @@ def build_model_card(
     }
     sections = [
         f"# {name}",
-        "A masked-diffusion language model in the [hf-dlm](https://github.com/) format (`model_type = \"dlm\"`). "
+        "A masked-diffusion language model in the hf-dlm format (`model_type = \"dlm\"`). "
         "The repository carries its own modeling code, generated from hf-dlm's source, so it loads without "
         "hf-dlm installed:",
         "```python\nfrom transformers import AutoModelForMaskedLM, AutoTokenizer\n\n"

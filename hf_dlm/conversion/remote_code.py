@@ -234,4 +234,10 @@ def write_remote_code(save_directory: str | os.PathLike) -> list[str]:
     return written
 
 
-__all__ = ["AUTO_MAP", "generate_remote_code", "write_remote_code", "check_requirements"]
+def remove_remote_code(save_directory: str | os.PathLike) -> None:
+    """Undo a failed export: the generated files go; config.json is only rewritten by a complete export."""
+    for file_name in (CONFIG_FILE, MODEL_FILE):
+        (Path(save_directory) / file_name).unlink(missing_ok=True)
+
+
+__all__ = ["AUTO_MAP", "generate_remote_code", "write_remote_code", "remove_remote_code", "check_requirements"]

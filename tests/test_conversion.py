@@ -21,7 +21,7 @@ from hf_dlm import DLMForDiffusionLM
 from hf_dlm.cli import main as cli_main
 from hf_dlm.conversion.convert import ConversionOptions, convert_checkpoint, load_as_dlm
 from hf_dlm.conversion.megatron import dlm_to_megatron, load_megatron_checkpoint
-from tests.conftest import tiny_model
+from .conftest import tiny_model
 
 SHAPE = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)

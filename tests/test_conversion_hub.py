@@ -15,7 +15,7 @@ from transformers import AutoModelForMaskedLM
 from hf_dlm import DLMForDiffusionLM
 from hf_dlm.conversion.hub import prepare_hub_folder, push_to_hub
 from hf_dlm.conversion.remote_code import AUTO_MAP, generate_remote_code
-from tests.conftest import tiny_model
+from .conftest import tiny_model
 
 # Run in a fresh interpreter where `import hf_dlm` raises, so only the repository's own files can serve.
 LOAD_WITHOUT_HF_DLM = textwrap.dedent("""

@@ -133,6 +133,8 @@ def test_adaptation_adds_mask_token_with_mean_embedding(tmp_path, tokenizer_size
     with torch.no_grad():
         torch.testing.assert_close(causal(input_ids=ids).logits[..., :tokenizer_size],
                                    source(input_ids=ids).logits[..., :tokenizer_size], atol=1e-5, rtol=0)
+    # verify leaves the rewritten [MASK] row out and finds the rest identical
+    assert cli_main(["verify", str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
     info = json.loads((tmp_path / "dst" / "hf_dlm_info.json").read_text())
     assert info["conversion"]["source_family"] == "qwen3" and "mean" in info["conversion"]["mask_token"]
 

@@ -41,6 +41,7 @@ def build_model_card(
     repo_id: str | None = None,
     license: str | None = None,
     pipeline_tag: str = "text-generation",
+    title: str | None = None,
 ):
     """A `huggingface_hub.ModelCard` for a DLM. `info` is the provenance file's content (conversion and
     training records); explicit `base_model` / `training_details` take precedence over it."""
@@ -56,7 +57,7 @@ def build_model_card(
         license=license,
         tags=["hf-dlm", "diffusion-language-model", "masked-diffusion", "custom_code"],
     )
-    name = repo_id or "this model"
+    name = repo_id or title or "hf-dlm model"
     architecture = {
         "attention_mode": config.attention_mode,
         "label_alignment": config.label_alignment,
@@ -95,6 +96,7 @@ def build_model_card(
 
 
 def write_model_card(folder: str | os.PathLike, config, **options) -> Path:
+    options.setdefault("title", Path(folder).resolve().name)
     card = build_model_card(config, info=read_info(folder), **options)
     path = Path(folder) / "README.md"
     card.save(path)

@@ -301,7 +301,13 @@ def test_foreign_megatron_args_are_read(tmp_path):
     path = save_megatron_checkpoint(model, tmp_path / "mega")
     checkpoint = torch.load(path, weights_only=False)
     delattr(checkpoint["args"], "hf_dlm_config")
-    torch.save(checkpoint, path)
+    # Megatron's local (non-TE) layer spec names the norms apart; TE adds `_extra_state` entries
+    renamed = {}
+    for key, tensor in checkpoint["model"].items():
+        key = key.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
+        renamed[key.replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")] = tensor
+    renamed["decoder.layers.0.self_attention.linear_qkv._extra_state"] = None
+    torch.save({**checkpoint, "model": renamed}, path)
     args, _ = load_megatron_checkpoint(tmp_path / "mega")
     assert args.num_query_groups == 2 and args.qk_layernorm
     back = load_as_dlm("megatron", tmp_path / "mega")[0]

@@ -47,11 +47,16 @@ def compare_logits(reference: torch.Tensor, candidate: torch.Tensor, atol: float
     )
 
 
-def _is_dlm(path) -> bool:
+DIFFUSION_MODEL_TYPES = ("llada", "dream")  # published DLMs with their own (bidirectional) remote code
+
+
+def _kind(path) -> str:
+    """"dlm" (hf-dlm folder or Megatron checkpoint), "diffusion" (LLaDA / Dream remote code) or "ar"."""
     path = Path(path)
-    if (path / "config.json").is_file():
-        return json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type") == "dlm"
-    return True  # a Megatron checkpoint becomes an hf-dlm model
+    if not (path / "config.json").is_file():
+        return "dlm"  # a Megatron checkpoint becomes an hf-dlm model
+    model_type = str(json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type", "")).lower()
+    return "dlm" if model_type == "dlm" else "diffusion" if model_type in DIFFUSION_MODEL_TYPES else "ar"
 
 
 def load_for_verify(path, dtype: torch.dtype, attention_mode: str | None = None, trust_remote_code: bool = False,
@@ -74,10 +79,13 @@ def load_for_verify(path, dtype: torch.dtype, attention_mode: str | None = None,
 
             model = DLMForDiffusionLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
         else:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModel, AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                         attn_implementation="eager")
+            options = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **options)
+            except ValueError:  # Dream registers its LM head class under AutoModel only
+                model = AutoModel.from_pretrained(path, **options)
     if is_dlm:
         model.config._attn_implementation = "eager"
         if attention_mode is not None:
@@ -103,18 +111,18 @@ def verify_checkpoints(
 ) -> LogitDiff:
     """Compare `candidate`'s logits with `source`'s on seeded random token ids.
 
-    attention: "auto" (an hf-dlm side facing an AR side runs causal), "as-saved", or a mode forced
-    on every hf-dlm side ("causal", "bidirectional", "block").
+    attention: "auto" (an hf-dlm side facing an AR model runs causal; facing LLaDA / Dream or another
+    hf-dlm model it runs as saved), "as-saved", or a mode forced on every hf-dlm side.
     """
     from .convert import DTYPES
 
     torch_dtype = DTYPES[dtype]
     default_atol, default_rtol = TOLERANCES[dtype]
     atol, rtol = default_atol if atol is None else atol, default_rtol if rtol is None else rtol
-    kinds = [_is_dlm(p) for p in (source, candidate)]
+    kinds = [_kind(p) for p in (source, candidate)]
     modes = [None if attention in ("auto", "as-saved") else attention] * 2
-    if attention == "auto" and kinds[0] != kinds[1]:
-        modes = ["causal" if is_dlm else None for is_dlm in kinds]
+    if attention == "auto" and "ar" in kinds:  # an adapted AR checkpoint must first reproduce its source
+        modes = ["causal" if kind == "dlm" else None for kind in kinds]
     models = [load_for_verify(p, torch_dtype, mode, trust_remote_code, trust_pickle) for p, mode in zip((source, candidate), modes)]
     # ids both models know; a DLM's [MASK] row is left out, being the one row an adaptation rewrites
     vocab = min(m.config.vocab_size for m, _ in models)

@@ -74,8 +74,10 @@ def load_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
             path = folder / name
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: listed in {index_name} but missing")
-            part = load_file(path) if name.endswith(".safetensors") else torch.load(path, map_location="cpu", weights_only=True)
-            state_dict.update(part)
+            if name.endswith(".safetensors"):
+                state_dict.update(load_file(path))
+            else:
+                state_dict.update(torch.load(path, map_location="cpu", weights_only=True))
         return state_dict
     raise FileNotFoundError(f"{folder}: no model.safetensors(.index.json) or pytorch_model.bin(.index.json)")
 

@@ -36,9 +36,8 @@ _EXACT_CONFIG = "hf_dlm_config"  # args field holding the full DLMConfig as JSON
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
     """q (nh*hd, ...), k / v (ng*hd, ...) -> (ng * (nh/ng + 2) * hd, ...), grouped [q of group, k, v]."""
     rest = q.shape[1:]
-    return torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)], 1).reshape(
-        -1, *rest
-    )
+    grouped = [t.reshape(groups, -1, *rest) for t in (q, k, v)]  # (ng, rows per group, ...)
+    return torch.cat(grouped, dim=1).reshape(-1, *rest)
 
 
 def _split_qkv(qkv: torch.Tensor, heads: int, groups: int, head_dim: int):
@@ -104,15 +103,14 @@ def megatron_to_dlm(state_dict: dict[str, torch.Tensor], config, source: str = "
         if key.endswith("._extra_state") or key.endswith("rotary_pos_emb.inv_freq"):
             continue
         template, layer = key_template(key)
-        prefix = f"model.layers.{layer}."
+        prefix, kind = f"model.layers.{layer}.", template.rsplit(".", 1)[1]
         if template in _PLAIN:
             out[_PLAIN[template].format(layer)] = tensor
-        elif template.startswith("decoder.layers.{}.self_attention.linear_qkv.") and template.rsplit(".", 1)[1] in ("weight", "bias"):
-            kind = template.rsplit(".", 1)[1]
+        elif template in ("decoder.layers.{}.self_attention.linear_qkv.weight",
+                          "decoder.layers.{}.self_attention.linear_qkv.bias"):
             q, k, v = _split_qkv(tensor, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
             out.update({prefix + f"self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", (q, k, v))})
-        elif template.startswith("decoder.layers.{}.mlp.linear_fc1.") and template.rsplit(".", 1)[1] in ("weight", "bias"):
-            kind = template.rsplit(".", 1)[1]
+        elif template in ("decoder.layers.{}.mlp.linear_fc1.weight", "decoder.layers.{}.mlp.linear_fc1.bias"):
             gate, up = tensor.chunk(2, dim=0)
             out[prefix + f"mlp.gate_proj.{kind}"], out[prefix + f"mlp.up_proj.{kind}"] = gate, up
         else:

@@ -78,7 +78,9 @@ def _load(module_name: str) -> _Module:
         if id(node) in skipped:
             continue
         if isinstance(node, ast.Import) and any(a.name.split(".")[0] == PACKAGE for a in node.names):
-            raise NotImplementedError(f"{path}:{node.lineno}: `import {PACKAGE}...` cannot be flattened; use `from .x import name`")
+            raise NotImplementedError(
+                f"{path}:{node.lineno}: `import {PACKAGE}...` cannot be flattened; use `from .x import name`"
+            )
         if isinstance(node, ast.ImportFrom) and (target := _resolve(module_name, node)) is not None:
             spec = importlib.util.find_spec(target)
             if spec is None or spec.origin is None or spec.submodule_search_locations is not None:

@@ -123,7 +123,8 @@ def verify_checkpoints(
     modes = [None if attention in ("auto", "as-saved") else attention] * 2
     if attention == "auto" and "ar" in kinds:  # an adapted AR checkpoint must first reproduce its source
         modes = ["causal" if kind == "dlm" else None for kind in kinds]
-    models = [load_for_verify(p, torch_dtype, mode, trust_remote_code, trust_pickle) for p, mode in zip((source, candidate), modes)]
+    models = [load_for_verify(path, torch_dtype, mode, trust_remote_code, trust_pickle)
+              for path, mode in zip((source, candidate), modes)]
     # ids both models know; a DLM's [MASK] row is left out, being the one row an adaptation rewrites
     vocab = min(m.config.vocab_size for m, _ in models)
     mask_ids = {m.config.mask_token_id for m, is_dlm in models if is_dlm and m.config.mask_token_id is not None}

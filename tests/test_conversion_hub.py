@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForMaskedLM
 
 from hf_dlm import DLMForDiffusionLM
+from hf_dlm.cli import main as cli_main
 from hf_dlm.conversion.hub import prepare_hub_folder, push_to_hub
 from hf_dlm.conversion.remote_code import AUTO_MAP, generate_remote_code
 from .conftest import tiny_model
@@ -117,6 +118,14 @@ def test_prepare_folder_and_push_with_mocked_hub(tmp_path, monkeypatch):
 
     folder = prepare_hub_folder(model, tmp_path / "prepared", base_model="org/base")
     assert huggingface_hub.ModelCard.load(folder / "README.md").data.base_model == "org/base"
+
+    # the CLI: convert, then upload the converted folder
+    calls.clear()
+    assert cli_main(["convert", "--from", "dlm", str(folder), str(tmp_path / "cli"), "--base-model", "org/base",
+                     "--push-to-hub", "user/cli", "--private"]) == 0
+    (_, repo, create_kwargs), (_, _, files, meta, _, upload_kwargs) = calls
+    assert repo == "user/cli" and create_kwargs["private"] is True and meta["base_model"] == "org/base"
+    assert "modeling_dlm.py" in files and "--from dlm" in upload_kwargs["commit_message"]
 
 
 def test_failed_export_keeps_the_checkpoint_and_warns(tmp_path, monkeypatch):

@@ -17,6 +17,9 @@ def add_arguments(parser):
     parser.add_argument("--keep-causal", action="store_true",
                         help="keep causal attention (same as --attention-mode causal)")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty destination")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None,
+                        help="upload the converted hf-dlm folder to this Hub model repository (needs network)")
+    parser.add_argument("--private", action="store_true", help="create the Hub repository as private")
     for field in dataclasses.fields(ConversionOptions):
         flag = "--" + field.name.replace("_", "-")
         if field.type == "bool":
@@ -38,4 +41,12 @@ def run(args) -> int:
         options.attention_mode = "causal"
     destination = convert_checkpoint(family, args.source, args.destination, options, to=args.to, overwrite=args.overwrite)
     print(f"converted {family} checkpoint {args.source} -> {args.to} checkpoint {destination}")
+    if args.push_to_hub:
+        if args.to != "dlm":
+            raise SystemExit("hf-dlm convert: --push-to-hub uploads hf-dlm folders only (not --to megatron)")
+        from ..conversion.hub import upload_folder
+
+        upload_folder(destination, args.push_to_hub, private=args.private or None,
+                      commit_message=f"hf-dlm convert --from {family}")
+        print(f"uploaded {destination} to {args.push_to_hub}")
     return 0

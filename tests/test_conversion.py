@@ -105,11 +105,11 @@ def _word_tokenizer(size):
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w1")
 
 
-@pytest.mark.parametrize("tokenizer_size", [90, 99])
-def test_adaptation_adds_mask_token_with_mean_embedding(tmp_path, tokenizer_size):
+@pytest.mark.parametrize("tokenizer_size,tied", [(90, False), (99, False), (99, True)])
+def test_adaptation_adds_mask_token_with_mean_embedding(tmp_path, tokenizer_size, tied):
     from transformers import AutoTokenizer
 
-    config = Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=False)
+    config = Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=tied)
     config._attn_implementation = "eager"
     source = randomize(Qwen3ForCausalLM(config))
     source.save_pretrained(tmp_path / "src")
@@ -125,6 +125,7 @@ def test_adaptation_adds_mask_token_with_mean_embedding(tmp_path, tokenizer_size
     new_embed = dlm.model.embed_tokens.weight
     torch.testing.assert_close(new_embed[mask_id], old_embed[:tokenizer_size].mean(0))
     torch.testing.assert_close(dlm.lm_head.weight[mask_id], source.lm_head.weight[:tokenizer_size].mean(0))
+    assert (dlm.lm_head.weight.data_ptr() == new_embed.data_ptr()) == tied
     torch.testing.assert_close(new_embed[:tokenizer_size], old_embed[:tokenizer_size], atol=0, rtol=0)
     # the adapted model still is its source, run causally, on the old vocabulary
     causal = load_as_dlm("qwen3", tmp_path / "src", ConversionOptions(attention_mode="causal"))[0]
@@ -137,6 +138,17 @@ def test_adaptation_adds_mask_token_with_mean_embedding(tmp_path, tokenizer_size
     assert cli_main(["verify", str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
     info = json.loads((tmp_path / "dst" / "hf_dlm_info.json").read_text())
     assert info["conversion"]["source_family"] == "qwen3" and "mean" in info["conversion"]["mask_token"]
+
+
+def test_adaptation_without_tokenizer_appends_a_mask_row(tmp_path):
+    source = save_ar_checkpoint("mistral", tmp_path / "src")
+    assert cli_main(["convert", "--from", "mistral", str(tmp_path / "src"), str(tmp_path / "dst"),
+                     "--attention-mode", "block", "--block-size", "4", "--label-alignment", "same"]) == 0
+    dlm = DLMForDiffusionLM.from_pretrained(tmp_path / "dst")
+    assert (dlm.config.mask_token_id, dlm.config.vocab_size) == (99, 100)
+    assert (dlm.config.attention_mode, dlm.config.block_size, dlm.config.label_alignment) == ("block", 4, "same")
+    torch.testing.assert_close(dlm.model.embed_tokens.weight[99], source.model.embed_tokens.weight.mean(0))
+    assert torch.equal(dlm.model.embed_tokens.weight[:99], source.model.embed_tokens.weight)
 
 
 # ---- LLaDA: OLMo-derived names of GSAI-ML/LLaDA-8B modeling_llada.py ----

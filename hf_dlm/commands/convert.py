@@ -25,7 +25,7 @@ def add_arguments(parser):
         if field.type == "bool":
             parser.add_argument(flag, action="store_true", help=field.metadata["help"])
         else:
-            kind = int if field.name == "mask_token_id" else str
+            kind = int if field.name in ("mask_token_id", "block_size") else str
             parser.add_argument(flag, type=kind, default=field.default, choices=field.metadata.get("choices"),
                                 help=field.metadata["help"])
 

@@ -36,6 +36,7 @@ class ConversionOptions:
     label_alignment: str | None = field(default=None, metadata={
         "choices": ("same", "shift"),
         "help": "label alignment; default: shift for adapted AR weights and Dream, same for LLaDA"})
+    block_size: int | None = field(default=None, metadata={"help": "block length for --attention-mode block"})
     mask_token_id: int | None = field(default=None, metadata={
         "help": "use this existing token id as [MASK] instead of adding a token"})
     mask_token: str = field(default=DEFAULT_MASK_TOKEN, metadata={"help": "text of the mask token added to the tokenizer"})
@@ -147,7 +148,7 @@ def load_as_dlm(family: str, source: str | os.PathLike, options: ConversionOptio
         else:
             tokenizer = _load_tokenizer(source)
 
-    for name in ("attention_mode", "label_alignment"):
+    for name in ("attention_mode", "label_alignment", "block_size"):
         if getattr(options, name) is not None:
             config_options[name] = getattr(options, name)
     record = {"source_family": family, "attention_mode": config_options.get("attention_mode", "bidirectional"),

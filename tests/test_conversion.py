@@ -256,6 +256,24 @@ def test_dream_key_map_on_synthetic_checkpoint(tmp_path):
         torch.testing.assert_close(dlm(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
 
 
+def test_megadlms_hf_folder(tmp_path):
+    """MegaDLMs' HF-side DiffLM: Qwen3 names, `attn_mask_type`; the reference is transformers' Qwen3."""
+    qwen3 = randomize(Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16)), seed=5)
+    qwen3.config._attn_implementation = "eager"
+    (tmp_path / "mega_hf").mkdir()
+    save_file({k: v.contiguous() for k, v in qwen3.state_dict().items()}, tmp_path / "mega_hf" / "model.safetensors")
+    config = {"architectures": ["DLMForCausalLM"], **SHAPE, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "rope_scaling": None, "attn_mask_type": "bidirectional", "mask_token_id": 97, "tie_word_embeddings": False}
+    (tmp_path / "mega_hf" / "config.json").write_text(json.dumps(config))
+    model = load_as_dlm("megadlms", tmp_path / "mega_hf")[0]
+    model.config._attn_implementation = "eager"
+    assert (model.config.mask_token_id, model.config.attention_mode, model.config.qk_norm) == (97, "bidirectional", True)
+    ids = torch.randint(0, 99, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = qwen3(input_ids=ids, attention_mask=bidirectional_mask(2, 10)).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+
+
 def test_unknown_source_key_is_an_error_naming_it(tmp_path):
     sd = llada_state_dict()
     sd["model.transformer.blocks.0.mystery.weight"] = torch.zeros(2)

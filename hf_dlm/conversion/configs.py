@@ -77,6 +77,19 @@ def dream_config(source: dict) -> dict:
     return options
 
 
+def megadlms_config(source: dict) -> dict:
+    """MegaDLMs' HF-side model (`tools/weights_conversion/hf_configs/*/modeling_dlm.py`): the Qwen3 layout
+    (per-head QK-norm, no biases) with `attn_mask_type` choosing bidirectional or causal attention."""
+    _check_no_sliding_window(source, "megadlms")
+    mode = source.get("attn_mask_type", "bidirectional")
+    if mode not in ("bidirectional", "causal"):
+        raise ValueError(f"MegaDLMs config field attn_mask_type={mode!r} is not supported (bidirectional / causal)")
+    options = {**_common(source), "qk_norm": True, "attention_mode": mode, "label_alignment": "same"}
+    if source.get("mask_token_id") is not None:
+        options["mask_token_id"] = source["mask_token_id"]
+    return options
+
+
 def llada_config(source: dict) -> dict:
     """LLaDA (OLMo-derived `LLaDAConfig`): only the `block_type="llama"`, RMSNorm, SiLU, RoPE variant that
     the released checkpoints use; anything else is rejected by name."""
@@ -124,6 +137,7 @@ FAMILY_CONFIGS = {
     "qwen3": qwen3_config,
     "dream": dream_config,
     "llada": llada_config,
+    "megadlms": megadlms_config,
 }
 AR_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -20,7 +20,7 @@ from .adapt import DEFAULT_MASK_TOKEN, add_mask_token, init_mask_row
 from .configs import AR_FAMILIES, FAMILY_CONFIGS
 from .key_maps import FAMILY_MAPS, rename_state_dict
 
-SOURCES = (*AR_FAMILIES, "llada", "dream", "megatron", "dlm")
+SOURCES = (*AR_FAMILIES, "llada", "dream", "megadlms", "megatron", "dlm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -143,7 +143,7 @@ def load_as_dlm(family: str, source: str | os.PathLike, options: ConversionOptio
         if family in AR_FAMILIES:
             config_options.setdefault("attention_mode", "bidirectional")
             config_options.setdefault("label_alignment", "shift")  # the AR head already predicts the next token
-        if family in ("llada", "dream", "dlm"):
+        if family in ("llada", "dream", "megadlms", "dlm"):
             copy_tokenizer_from = source  # they ship their mask token; copy files verbatim (Dream's are remote code)
         else:
             tokenizer = _load_tokenizer(source)

@@ -62,6 +62,8 @@ QWEN2_MAP = {**_NORMS_AND_EMBEDDINGS, **_ATTENTION, **_QKV_BIAS, **_MLP}
 QWEN3_MAP = {**_NORMS_AND_EMBEDDINGS, **_ATTENTION, **_QKV_BIAS, **_O_BIAS, **_QK_NORM, **_MLP}
 # Dream (Dream-org/Dream-v0-*-7B, `modeling_dream.py`): the Qwen2 layout, bias on q / k / v
 DREAM_MAP = dict(QWEN2_MAP)
+# MegaDLMs' HF-side DiffLM: the Qwen3 names without biases
+MEGADLMS_MAP = {**_NORMS_AND_EMBEDDINGS, **_ATTENTION, **_QK_NORM, **_MLP}
 # hf-dlm to itself (every optional tensor)
 DLM_MAP = {**LLAMA_MAP, **_QK_NORM}
 
@@ -93,6 +95,7 @@ FAMILY_MAPS = {
     "qwen3": QWEN3_MAP,
     "dream": DREAM_MAP,
     "llada": LLADA_MAP,
+    "megadlms": MEGADLMS_MAP,
     "dlm": DLM_MAP,
 }
 
@@ -132,4 +135,4 @@ def invert_map(weight_map: dict[str, str | None]) -> dict[str, str]:
 
 
 __all__ = ["FAMILY_MAPS", "LLAMA_MAP", "MISTRAL_MAP", "QWEN2_MAP", "QWEN3_MAP", "DREAM_MAP", "LLADA_MAP",
-           "DLM_MAP", "key_template", "rename_state_dict", "invert_map"]
+           "MEGADLMS_MAP", "DLM_MAP", "key_template", "rename_state_dict", "invert_map"]

@@ -55,12 +55,12 @@ def bidirectional_mask(batch, length):
     return torch.zeros(batch, 1, length, length)
 
 
-def save_ar_checkpoint(family, folder):
+def save_ar_checkpoint(family, folder, **save_options):
     """A tiny random model of `family` built with transformers' own class, saved to `folder`."""
     model_class, config = FAMILIES[family]
     config._attn_implementation = "eager"
     model = randomize(model_class(config))
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **save_options)
     return model
 
 
@@ -351,7 +351,8 @@ def test_foreign_megatron_args_are_read(tmp_path):
 
 def test_verify_passes_then_fails_on_corrupted_weight(tmp_path, capsys):
     folder = tmp_path / "llama"
-    save_ar_checkpoint("llama", folder)
+    save_ar_checkpoint("llama", folder, max_shard_size="20KB")  # sharded: read through the index
+    assert (folder / "model.safetensors.index.json").is_file()
     convert_checkpoint("llama", folder, tmp_path / "dlm", ConversionOptions(mask_token_id=98))
     assert cli_main(["verify", str(folder), str(tmp_path / "dlm")]) == 0
     assert "PASS" in capsys.readouterr().out

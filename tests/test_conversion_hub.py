@@ -146,3 +146,61 @@ def test_failed_export_keeps_the_checkpoint_and_warns(tmp_path, monkeypatch):
     assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
     with pytest.warns(UserWarning), pytest.raises(ImportError, match="liger_kernel"):
         prepare_hub_folder(model, tmp_path / "hub")
+
+
+def _write_package(root, files):
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+def test_flattening_rules_on_a_synthetic_package(tmp_path, monkeypatch):
+    """What teammates may add to the modeling code: imports from other sub-packages, aliases, imports
+    inside functions, a sibling-config import; all must flatten into two loadable files."""
+    import pytest
+
+    _write_package(tmp_path, {
+        "fakedlm/__init__.py": "",
+        "fakedlm/utils/__init__.py": "",
+        "fakedlm/utils/helpers.py": "SCALE = 3\n\n\ndef scaled(x):\n    return x * SCALE\n",
+        "fakedlm/modeling/__init__.py": "",
+        "fakedlm/modeling/config_x.py": "from ..utils.helpers import SCALE\n\n\nclass Cfg:\n    size = SCALE\n",
+        "fakedlm/modeling/kernels.py": "def fast(x):\n    return x + 1\n",
+        "fakedlm/modeling/model_x.py": '''
+            from __future__ import annotations
+
+            from ..utils.helpers import scaled as times_scale  # an alias across sub-packages
+            from .config_x import Cfg
+
+
+            class Model:
+                def run(self, x):
+                    from .kernels import fast  # lazy import inside a function
+                    from .kernels import fast as quick
+                    return quick(fast(times_scale(x))) + Cfg.size
+
+            __all__ = ["Model"]
+        ''',
+    })
+    monkeypatch.syspath_prepend(str(tmp_path))
+    files = generate_remote_code("fakedlm.modeling.config_x", "fakedlm.modeling.model_x")
+    for text in files.values():
+        imported = [n.module for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ImportFrom)]
+        assert not any("fakedlm" in (m or "") or m in ("kernels", "config_x") for m in imported), imported
+    (tmp_path / "flat").mkdir()
+    for name, text in files.items():
+        (tmp_path / "flat" / name).write_text(text)
+    (tmp_path / "flat" / "__init__.py").write_text("")
+    import importlib
+
+    flat = importlib.import_module("flat.modeling_dlm")
+    assert flat.Model().run(2) == (2 * 3 + 1 + 1) + 3
+
+    # two different top-level definitions of one name cannot share a flat file
+    (tmp_path / "fakedlm/modeling/kernels.py").write_text("SCALE = 4\n\n\ndef fast(x):\n    return x + SCALE\n")
+    (tmp_path / "fakedlm/modeling/other.py").write_text("SCALE = 5\n")
+    (tmp_path / "fakedlm/modeling/model_x.py").write_text(
+        "from .other import SCALE\nfrom .kernels import fast\n\n\ndef run(x):\n    return fast(x) * SCALE\n")
+    with pytest.raises(NameError, match="SCALE"):
+        generate_remote_code("fakedlm.modeling.config_x", "fakedlm.modeling.model_x")

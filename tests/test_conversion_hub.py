@@ -54,7 +54,7 @@ def test_generated_code_is_flat_and_comes_from_the_source():
     import hf_dlm.modeling.masks as masks
 
     assert __import__("inspect").getsource(masks.make_mask_mod) in modeling
-    assert "save_with_remote_code" not in modeling  # the hf-dlm-only save hook stays out
+    assert "save_with_remote_code" not in modeling and "conversion" not in modeling  # hf-dlm-only hooks stay out
 
 
 def test_saved_model_loads_without_hf_dlm(tmp_path):
@@ -110,6 +110,13 @@ def test_prepare_folder_and_push_with_mocked_hub(tmp_path, monkeypatch):
     assert meta["base_model"] == "Qwen/Qwen3-0.6B" and "custom_code" in meta["tags"]
     assert "## Training details" in text and "3e-4" in text.replace("0.0003", "3e-4")
     assert "trust_remote_code=True" in text and '"user/tiny-dlm"' in text
+
+    # model.push_to_hub goes the same way, with transformers' argument names
+    calls.clear()
+    model.push_to_hub("user/direct", commit_message="first", private=False, tags=["my-tag"], base_model="org/b")
+    (_, _, create_kwargs), (_, _, files, meta, _, upload_kwargs) = calls
+    assert upload_kwargs["commit_message"] == "first" and create_kwargs["private"] is False
+    assert "my-tag" in meta["tags"] and meta["base_model"] == "org/b" and "modeling_dlm.py" in files
 
     # save_pretrained(push_to_hub=True) uploads only once the remote code is written
     calls.clear()

@@ -53,6 +53,7 @@ def prepare_hub_folder(
     repo_id: str | None = None,
     license: str | None = None,
     max_shard_size: str | int = "5GB",
+    tags: list[str] | None = None,
 ) -> Path:
     """Write everything a Hub repository of `model` holds into `folder`: safetensors weights, config with
     `auto_map`, generated modeling code, generation config, tokenizer and a model card with `base_model`
@@ -63,12 +64,12 @@ def prepare_hub_folder(
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     write_info(folder, base_model=base_model, training=training_details or None)
-    write_model_card(folder, model.config, repo_id=repo_id, license=license)
+    write_model_card(folder, model.config, repo_id=repo_id, license=license, tags=tags)
     return folder
 
 
 def upload_folder(folder, repo_id: str, token=None, private: bool | None = None, commit_message: str | None = None,
-                  create_pr: bool = False):
+                  create_pr: bool = False, commit_description: str | None = None, revision: str | None = None):
     """Create the model repository if needed and upload `folder` in one commit."""
     import huggingface_hub
 
@@ -79,6 +80,8 @@ def upload_folder(folder, repo_id: str, token=None, private: bool | None = None,
         folder_path=str(folder),
         repo_type="model",
         commit_message=commit_message or "Upload hf-dlm model",
+        commit_description=commit_description,
+        revision=revision,
         create_pr=create_pr,
     )
 
@@ -94,12 +97,17 @@ def push_to_hub(
     commit_message: str | None = None,
     license: str | None = None,
     folder: str | os.PathLike | None = None,
+    max_shard_size: str | int = "5GB",
+    tags: list[str] | None = None,
+    **upload_options,
 ):
     """Prepare the repository folder (in `folder`, or a temporary one) and upload it. Returns the
-    `huggingface_hub` commit info."""
+    `huggingface_hub` commit info. `upload_options`: create_pr, commit_description, revision."""
     with tempfile.TemporaryDirectory() as scratch:
-        target = prepare_hub_folder(model, folder or scratch, tokenizer, base_model, training_details, repo_id, license)
-        return upload_folder(target, repo_id, token=token, private=private, commit_message=commit_message)
+        target = prepare_hub_folder(model, folder or scratch, tokenizer, base_model, training_details, repo_id, license,
+                                    max_shard_size, tags)
+        return upload_folder(target, repo_id, token=token, private=private, commit_message=commit_message,
+                             **upload_options)
 
 
 __all__ = ["save_with_remote_code", "prepare_hub_folder", "upload_folder", "push_to_hub"]

@@ -42,6 +42,7 @@ def build_model_card(
     license: str | None = None,
     pipeline_tag: str = "text-generation",
     title: str | None = None,
+    tags: list[str] | None = None,
 ):
     """A `huggingface_hub.ModelCard` for a DLM. `info` is the provenance file's content (conversion and
     training records); explicit `base_model` / `training_details` take precedence over it."""
@@ -55,7 +56,7 @@ def build_model_card(
         pipeline_tag=pipeline_tag,
         base_model=base_model,
         license=license,
-        tags=["hf-dlm", "diffusion-language-model", "masked-diffusion", "custom_code"],
+        tags=["hf-dlm", "diffusion-language-model", "masked-diffusion", "custom_code", *(tags or [])],
     )
     name = repo_id or title or "hf-dlm model"
     architecture = {

@@ -31,7 +31,7 @@ AUTO_MAP = {
     "AutoModelForMaskedLM": "modeling_dlm.DLMForDiffusionLM",
 }
 # members that only make sense with hf-dlm installed (the save hook that calls this generator)
-HF_DLM_ONLY = {MODEL_ROOT: {"DLMPreTrainedModel.save_pretrained"}}
+HF_DLM_ONLY = {MODEL_ROOT: {"DLMPreTrainedModel.save_pretrained", "DLMPreTrainedModel.push_to_hub"}}
 # packages a machine that runs transformers models has anyway; anything else imported unguarded is an error
 BASE_REQUIREMENTS = {"torch", "transformers", "huggingface_hub", "safetensors", "tokenizers", "numpy", "packaging"}
 

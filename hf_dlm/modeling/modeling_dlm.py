@@ -189,6 +189,13 @@ class DLMPreTrainedModel(PreTrainedModel):
 
         return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
 
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """transformers' arguments plus `tokenizer`, `base_model`, `training_details`: one commit holding the
+        weights, the generated remote code and a full model card (`hf_dlm.conversion.hub.push_to_hub`)."""
+        from ..conversion.hub import push_to_hub
+
+        return push_to_hub(self, repo_id, **kwargs)
+
 
 class DLMModel(DLMPreTrainedModel):
     def __init__(self, config: DLMConfig):

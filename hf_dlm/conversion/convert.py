@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .adapt import DEFAULT_MASK_TOKEN, add_mask_token, init_mask_row
 from .configs import AR_FAMILIES, FAMILY_CONFIGS
@@ -71,7 +72,7 @@ def load_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
         else:
             continue
         state_dict = {}
-        for name in files:
+        for name in tqdm(files, desc=f"reading {folder.name}", unit="file", disable=len(files) < 2):
             path = folder / name
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: listed in {index_name} but missing")

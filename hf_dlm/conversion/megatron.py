@@ -27,6 +27,7 @@ import pickle
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .key_maps import key_template
 
@@ -54,7 +55,7 @@ def dlm_to_megatron(state_dict: dict[str, torch.Tensor], config) -> dict[str, to
            "decoder.final_layernorm.weight": state_dict["model.norm.weight"]}
     if not config.tie_word_embeddings:
         out["output_layer.weight"] = state_dict["lm_head.weight"]
-    for i in range(config.num_hidden_layers):
+    for i in tqdm(range(config.num_hidden_layers), desc="to megatron", unit="layer", disable=config.num_hidden_layers < 8):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = src + "self_attn."
         out[dst + "self_attention.linear_qkv.layer_norm_weight"] = state_dict[src + "input_layernorm.weight"]

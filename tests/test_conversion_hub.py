@@ -29,6 +29,11 @@ LOAD_WITHOUT_HF_DLM = textwrap.dedent("""
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     generated = model.generate(input_ids=ids[:1, :4], max_new_tokens=4, steps=4, block_length=4, temperature=0.0)
+    model.save_pretrained(sys.argv[3] + ".resaved")  # transformers copies the flat files on: still self-contained
+    again = AutoModelForMaskedLM.from_pretrained(sys.argv[3] + ".resaved", trust_remote_code=True,
+                                                 attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, logits)
     torch.save({"logits": logits, "module": type(model).__module__, "generated": generated}, sys.argv[3])
     try:
         import hf_dlm  # noqa: F401

@@ -140,6 +140,16 @@ def test_adaptation_adds_mask_token_with_mean_embedding(tmp_path, tokenizer_size
     assert info["conversion"]["source_family"] == "qwen3" and "mean" in info["conversion"]["mask_token"]
 
 
+def test_tokenizer_mask_token_is_reused_untouched(tmp_path):
+    source = save_ar_checkpoint("llama", tmp_path / "src")
+    tokenizer = _word_tokenizer(90)
+    tokenizer.add_special_tokens({"mask_token": "w7"})
+    tokenizer.save_pretrained(tmp_path / "src")
+    dlm = load_as_dlm("llama", tmp_path / "src")[0]
+    assert (dlm.config.mask_token_id, dlm.config.vocab_size) == (7, 99)
+    assert torch.equal(dlm.model.embed_tokens.weight, source.model.embed_tokens.weight)
+
+
 def test_adaptation_without_tokenizer_appends_a_mask_row(tmp_path):
     source = save_ar_checkpoint("mistral", tmp_path / "src")
     assert cli_main(["convert", "--from", "mistral", str(tmp_path / "src"), str(tmp_path / "dst"),
@@ -332,11 +342,10 @@ def test_foreign_megatron_args_are_read(tmp_path):
     checkpoint = torch.load(path, weights_only=False)
     delattr(checkpoint["args"], "hf_dlm_config")
     # Megatron's local (non-TE) layer spec names the norms apart; TE adds `_extra_state` entries
-    renamed = {}
+    renamed = {"decoder.layers.0.self_attention.linear_qkv._extra_state": None}  # first, where dtype was once read
     for key, tensor in checkpoint["model"].items():
         key = key.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
         renamed[key.replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")] = tensor
-    renamed["decoder.layers.0.self_attention.linear_qkv._extra_state"] = None
     torch.save({**checkpoint, "model": renamed}, path)
     args, _ = load_megatron_checkpoint(tmp_path / "mega")
     assert args.num_query_groups == 2 and args.qk_layernorm

@@ -11,14 +11,14 @@ import torch
 DEFAULT_MASK_TOKEN = "<|mdm_mask|>"  # LLaDA's spelling
 
 
-def add_mask_token(tokenizer, mask_token: str = DEFAULT_MASK_TOKEN) -> tuple[int, int]:
+def add_mask_token(tokenizer, mask_token: str = DEFAULT_MASK_TOKEN) -> tuple[int, int, bool]:
     """Give `tokenizer` a mask token unless it has one. Returns (mask_token_id, number of tokens the
-    tokenizer knew before, i.e. the rows that carry trained embeddings)."""
+    tokenizer knew before, i.e. the rows that carry trained embeddings, whether the token is new)."""
     known = len(tokenizer)
     if tokenizer.mask_token_id is not None:
-        return tokenizer.mask_token_id, known
+        return tokenizer.mask_token_id, known, False
     tokenizer.add_special_tokens({"mask_token": mask_token})
-    return tokenizer.mask_token_id, known
+    return tokenizer.mask_token_id, known, True
 
 
 @torch.no_grad()

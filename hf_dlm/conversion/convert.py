@@ -130,11 +130,9 @@ def load_as_dlm(family: str, source: str | os.PathLike, options: ConversionOptio
         from ..modeling import DLMConfig
 
         state_dict = megatron_to_dlm(raw, DLMConfig(**config_options), source=str(source))
-        source_dtype = next(iter(raw.values())).dtype
     else:
         source_config = read_config_json(source)
         raw = load_state_dict(source)
-        source_dtype = next(iter(raw.values())).dtype
         if family == "dlm":
             config_options = {k: v for k, v in source_config.items()
                               if k not in ("model_type", "transformers_version", "architectures", "auto_map", "dtype")}
@@ -155,6 +153,7 @@ def load_as_dlm(family: str, source: str | os.PathLike, options: ConversionOptio
     record = {"source_family": family, "attention_mode": config_options.get("attention_mode", "bidirectional"),
               "label_alignment": config_options.get("label_alignment", "same")}
     config_options["vocab_size"] = state_dict["model.embed_tokens.weight"].shape[0]
+    source_dtype = state_dict["model.embed_tokens.weight"].dtype
     tied = bool(config_options.get("tie_word_embeddings", False))
     if tied:
         state_dict.pop("lm_head.weight", None)
@@ -164,13 +163,16 @@ def load_as_dlm(family: str, source: str | os.PathLike, options: ConversionOptio
         record["mask_token"] = f"existing id {options.mask_token_id}"
     elif config_options.get("mask_token_id") is None:
         if tokenizer is not None:
-            mask_id, trained_rows = add_mask_token(tokenizer, options.mask_token)
+            mask_id, trained_rows, added = add_mask_token(tokenizer, options.mask_token)
         else:  # no tokenizer: a new id after the last row
-            mask_id, trained_rows = config_options["vocab_size"], config_options["vocab_size"]
-        state_dict = init_mask_row(state_dict, mask_id, trained_rows, tied)
+            mask_id, trained_rows, added = config_options["vocab_size"], config_options["vocab_size"], True
         config_options["mask_token_id"] = mask_id
-        config_options["vocab_size"] = state_dict["model.embed_tokens.weight"].shape[0]
-        record["mask_token"] = f"added id {mask_id}, embedding row = mean of the {trained_rows} trained rows"
+        if added:
+            state_dict = init_mask_row(state_dict, mask_id, trained_rows, tied)
+            config_options["vocab_size"] = state_dict["model.embed_tokens.weight"].shape[0]
+            record["mask_token"] = f"added id {mask_id}, embedding row = mean of the {trained_rows} trained rows"
+        else:
+            record["mask_token"] = f"the tokenizer's own mask token, id {mask_id}"
     if tokenizer is not None:
         for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
             if config_options.get(name) is None and getattr(tokenizer, name, None) is not None:

@@ -1,0 +1,24 @@
+"""Checkpoint conversion (AR / LLaDA / Dream / Megatron <-> hf-dlm), asserted verification and Hub export.
+
+`import hf_dlm` does not import this package; its modules load on first use (PEP 562 `__getattr__`).
+"""
+
+_EXPORTS = {
+    "ConversionOptions": "convert", "convert_checkpoint": "convert", "load_as_dlm": "convert",
+    "verify_checkpoints": "verify", "compare_logits": "verify",
+    "save_megatron_checkpoint": "megatron", "load_megatron_checkpoint": "megatron",
+    "push_to_hub": "hub", "prepare_hub_folder": "hub", "upload_folder": "hub",
+    "generate_remote_code": "remote_code", "write_remote_code": "remote_code",
+    "build_model_card": "model_card",
+}
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+
+
+__all__ = list(_EXPORTS)

@@ -194,6 +194,20 @@ class DLMPreTrainedModel(PreTrainedModel):
         if isinstance(module, nn.Linear) and getattr(module, "is_residual_output", False):
             hf_init.normal_(module.weight, mean=0.0, std=self.config.initializer_range / (2 * self.config.num_hidden_layers) ** 0.5)
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save, plus self-contained remote code, `auto_map` and a model card
+        (`hf_dlm.conversion.hub`), so the folder loads with `trust_remote_code=True` without hf-dlm."""
+        from ..conversion.hub import save_with_remote_code
+
+        return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """transformers' arguments plus `tokenizer`, `base_model`, `training_details`: one commit holding the
+        weights, the generated remote code and a full model card (`hf_dlm.conversion.hub.push_to_hub`)."""
+        from ..conversion.hub import push_to_hub
+
+        return push_to_hub(self, repo_id, **kwargs)
+
 
 class DLMModel(DLMPreTrainedModel):
     def __init__(self, config: DLMConfig):

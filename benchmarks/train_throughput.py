@@ -35,18 +35,18 @@ SUITES = {
         "dlm main (block compile, cudnn, masked head, fused AdamW)": "",
         "dlm main + float8 tensorwise": "--float8 tensorwise",
         "dlm main, micro-batch 8": "--mbs 8",
-        "dlm main + compiled loss head": "--compile-loss",
+        "dlm main, eager loss head": "--no-compile-loss",
     },
     "levers": {
-        "compile scope: none (eager)": "--compile none",
-        "attention: flash": "--attn flash",
-        "attention: cudnn, K/V repeated (no GQA flag)": "--attn cudnn --repeat-kv",
-        "head: full vocabulary on every position": "--head full",
-        "compile scope: whole step": "--compile step",
-        "optimizer: foreach AdamW (not fused)": "--no-fused-optimizer",
-        "float8 rowwise": "--float8 rowwise",
         "float8 tensorwise, micro-batch 8": "--float8 tensorwise --mbs 8",
+        "float8 rowwise": "--float8 rowwise",
+        "attention: flash": "--attn flash",
+        "head: full vocabulary on every position": "--head full",
+        "compile scope: none (eager)": "--compile none",
+        "optimizer: foreach AdamW (not fused)": "--no-fused-optimizer",
+        "float8 tensorwise, k/v projections too": "--float8 tensorwise --float8-min-features 1024",
         "activation checkpointing, micro-batch 8": "--activation-checkpointing --mbs 8",
+        "compile scope: whole step": "--compile step",
     },
 }
 SUITES["all"] = {**SUITES["core"], **SUITES["levers"]}
@@ -73,10 +73,12 @@ def parse_args(argv=None):
                    help="masked: logits only at supervised positions; full: every position (weight 0 elsewhere)")
     p.add_argument("--compile", default="block", choices=["none", "block", "step"],
                    help="none: eager; block: per-decoder-layer torch.compile (parallelize_dlm); step: the whole loss step")
-    p.add_argument("--compile-loss", action="store_true",
-                   help="also torch.compile the masked head's chunk (linear + cross-entropy), dynamic row count")
+    p.add_argument("--no-compile-loss", action="store_true",
+                   help="keep the masked head's chunks (linear + cross-entropy) eager under --compile block")
     p.add_argument("--no-fused-optimizer", action="store_true", help="foreach AdamW instead of fused")
     p.add_argument("--float8", default=None, choices=["tensorwise", "rowwise"], help="torchao float8 recipe")
+    p.add_argument("--float8-min-features", type=int, default=2048,
+                   help="convert a linear to float8 only if its in and out features are both at least this")
     p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every decoder layer")
     p.add_argument("--loss-chunk", type=int, default=4096, help="DLMConfig.loss_chunk_size")
     p.add_argument("--peak", type=float, default=989e12, help="peak FLOP/s for MFU")
@@ -85,6 +87,7 @@ def parse_args(argv=None):
     p.add_argument("--baseline-script", default=os.path.join(HERE, "hf_baseline.py"),
                    help="plain-HF baseline script to time eager and --compile in a suite ('' to skip)")
     p.add_argument("--sdpa-bench", action="store_true", help="time SDPA fwd+bwd per backend at the model's shape")
+    p.add_argument("--skip", nargs="*", default=[], help="suite: configuration names to leave out")
     p.add_argument("--time-budget", type=float, default=560.0,
                    help="suite: skip the configurations left once this many seconds have passed")
     p.add_argument("--out", default=None, help="suite: write the JSON lines and the table under this folder")
@@ -136,14 +139,12 @@ def run_one(a) -> dict:
     if a.repeat_kv:
         register_repeat_kv_attention()
     model = build_model(a, device)
-    if a.compile_loss:
-        from hf_dlm.modeling import loss as loss_module
-
-        loss_module._chunk_cross_entropy = torch.compile(loss_module._chunk_cross_entropy, dynamic=True)
     n_params = sum(p.numel() for p in model.parameters())
     t_build = time.perf_counter()
     parallelize_dlm(model, float8_recipe=a.float8, activation_checkpointing=a.activation_checkpointing,
-                    compile=a.compile == "block", float8_min_features=1024 if a.tiny else 2048)
+                    compile=a.compile == "block", float8_min_features=a.float8_min_features)
+    if a.no_compile_loss:
+        model.compile_loss_head = False
     objective = MaskedDiffusionObjective.from_model_config(model.config, preset="llada", random_length_prob=0.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not a.no_fused_optimizer and not a.tiny,
                                   foreach=True if a.no_fused_optimizer or a.tiny else None)
@@ -170,7 +171,7 @@ def run_one(a) -> dict:
     probe = torch.randint(0, a.vocab - 1, (a.mbs, a.seq), device=device)
     changed = probe.clone()
     changed[:, -1] = (changed[:, -1] + 1) % (a.vocab - 1)
-    with autocast:
+    with autocast, torch.no_grad():
         first = model.model(input_ids=probe).last_hidden_state[:, 0].float()
         second = model.model(input_ids=changed).last_hidden_state[:, 0].float()
     bidirectional = bool((first - second).abs().max() > 0)
@@ -202,7 +203,10 @@ def run_one(a) -> dict:
                   loss_finite=all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
                   bidirectional=bidirectional, graph_breaks=sum(counters["graph_break"].values()))
     if a.profile and device == "cuda":
-        result["attention_kernels"] = attention_kernels(step_loss, optimizer, a, device)
+        try:
+            result["attention_kernels"], result["top_kernels_fwd_bwd_ms"] = attention_kernels(step_loss, optimizer, a, device)
+        except Exception as error:  # the timing above stands even if the profiler fails
+            result["profile_error"] = repr(error)[:300]
     return result
 
 
@@ -216,8 +220,15 @@ def attention_kernels(step_loss, optimizer, a, device) -> list[str]:
         step_loss(input_ids, torch.arange(a.mbs, device=device)).backward()
         torch.cuda.synchronize()
     optimizer.zero_grad(set_to_none=True)
-    names = {e.key for e in prof.key_averages()}
-    return sorted(n[:90] for n in names if any(k in n.lower() for k in ("fmha", "flash", "attn", "attention", "cudnn", "sdpa")))
+    events = list(prof.key_averages())
+    names = {e.key for e in events}
+    attention = sorted(n[:90] for n in names if any(k in n.lower() for k in ("fmha", "flash", "attn", "attention", "cudnn", "sdpa")))
+
+    def device_ms(e):
+        return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 1e3
+
+    top = sorted(events, key=device_ms, reverse=True)[:30]
+    return attention, [(e.key[:100], round(device_ms(e), 2), e.count) for e in top]
 
 
 def sdpa_bench(a) -> list[dict]:
@@ -292,6 +303,8 @@ def run_suite(a) -> int:
         launch("plain HF, eager (baseline)", base)
         launch("plain HF, torch.compile of the step (baseline)", base + ["--compile"])
     for tag, flags in SUITES[a.suite].items():
+        if tag in a.skip:
+            continue
         launch(tag, [sys.executable, os.path.abspath(__file__)] + common + flags.split()
                + (["--profile"] if tag.startswith("dlm main (") else []))
     table = format_table(results)

@@ -57,8 +57,8 @@ def parallelize_dlm(
     float8_recipe: None (off), "tensorwise" or "rowwise": torchao float8 training for linears whose in
         and out features are both at least `float8_min_features` (`lm_head` never). Needs an sm_89+ GPU.
     activation_checkpointing: recompute each decoder layer in backward (non-reentrant checkpoint).
-    compile: `torch.compile` each decoder layer in place; `compile_options` go to `torch.compile`
-        (e.g. `{"mode": "max-autotune-no-cudagraphs"}`).
+    compile: `torch.compile` each decoder layer in place, and the masked head's loss chunks;
+        `compile_options` go to the layers' `torch.compile` (e.g. `{"mode": "max-autotune-no-cudagraphs"}`).
     param_dtype / reduce_dtype: FSDP2 `MixedPrecisionPolicy`: the dtype parameters are all-gathered and
         computed in (None: as stored), and the gradient reduce-scatter dtype (fp32 by default).
     reshard_after_forward: FSDP2: free gathered parameters after forward (ZeRO-3) rather than keep them
@@ -94,6 +94,8 @@ def parallelize_dlm(
     if compile:
         for layer in layers:
             layer.compile(**(compile_options or {}))
+        if hasattr(model, "compile_loss_head"):  # the masked head's linear + cross-entropy chunks too
+            model.compile_loss_head = True
 
     # 5. FSDP2: each decoder layer is one all-gather / reduce-scatter unit, the root holds the rest
     if fsdp:

@@ -31,6 +31,13 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 # name -> command-line flags of one configuration; "main" is hf-dlm's recommended setup
 SUITES = {
+    "last": {
+        "dlm main, micro-batch 8": "--mbs 8",
+        "dlm main + float8 tensorwise": "--float8 tensorwise",
+        "attention: flash": "--attn flash",
+        "head: full vocabulary on every position": "--head full",
+        "float8 tensorwise, micro-batch 8": "--float8 tensorwise --mbs 8",
+    },
     "core": {
         "dlm main (block compile, cudnn, masked head, fused AdamW)": "",
         "dlm main + float8 tensorwise": "--float8 tensorwise",
@@ -38,7 +45,6 @@ SUITES = {
         "dlm main, eager loss head": "--no-compile-loss",
     },
     "levers": {
-        "float8 tensorwise, micro-batch 8": "--float8 tensorwise --mbs 8",
         "float8 rowwise": "--float8 rowwise",
         "attention: flash": "--attn flash",
         "head: full vocabulary on every position": "--head full",

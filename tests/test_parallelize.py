@@ -58,6 +58,13 @@ def _worker(rank, world_size, init_file, out_file):
     for loss in losses:
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
     results["fsdp"] = (losses, grads)
+    # the full stack in torchtitan's order: checkpointing, per-block compile, then FSDP2
+    model = parallelize_dlm(tiny_model("sdpa").train(), dp_mesh=mesh, activation_checkpointing=True, compile=True,
+                            compile_options={"backend": "aot_eager"})
+    losses, grads = _train(model, rows)
+    for loss in losses:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    results["fsdp+checkpointing+compile"] = (losses, grads)
     # tensor parallel: every rank sees the whole batch, each holds half of the heads and MLP columns
     model = parallelize_dlm(tiny_model("sdpa").train(), tp_mesh=mesh)
     results["tp"] = _train(model)
@@ -80,7 +87,7 @@ def reference():
     return _train(tiny_model("sdpa").train())
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp+checkpointing+compile", "tp"])
 def test_two_process_matches_single_process(distributed_results, reference, layout):
     losses, grads = distributed_results[layout]
     ref_losses, ref_grads = reference
@@ -138,3 +145,24 @@ def test_tensor_parallel_rejects_indivisible_heads():
 
     with pytest.raises(ValueError, match="num_attention_heads"):
         apply_tensor_parallel(tiny_model(), FakeMesh())
+
+
+def test_bidirectional_sdpa_runs_mask_free(monkeypatch):
+    """No padding, bidirectional: SDPA gets no mask and is_causal=False, so the fastest kernel (cuDNN on
+    Hopper) can run; also inside a compiled block."""
+    import torch.nn.functional as F
+
+    calls = []
+    original = F.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    for compile in (False, True):
+        calls.clear()
+        model = parallelize_dlm(tiny_model("sdpa"), compile=compile, compile_options={"backend": "eager"})
+        with torch.no_grad():
+            model(torch.randint(0, VOCAB - 1, (2, 8)))
+        assert len(calls) == 2 and all(mask is None and causal is False for mask, causal in calls), calls

@@ -335,6 +335,8 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    # run the masked head's chunks through torch.compile (set by `parallelize_dlm(compile=True)`)
+    compile_loss_head: bool = False
 
     def __init__(self, config: DLMConfig):
         super().__init__(config)
@@ -390,7 +392,8 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
         loss = num_loss_tokens = logits = None
         if labels is not None:
             loss, num_loss_tokens = masked_lm_loss(
-                hidden_states, self.lm_head, labels, label_weights, num_items_in_batch, self.config.loss_chunk_size
+                hidden_states, self.lm_head, labels, label_weights, num_items_in_batch, self.config.loss_chunk_size,
+                compiled=self.compile_loss_head,
             )
         if labels is None or return_logits:
             logits = self.lm_head(hidden_states)

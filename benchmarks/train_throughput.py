@@ -1,0 +1,360 @@
+"""Training throughput of hf-dlm against plain HF transformers, one GPU.
+
+Qwen3-1.7B shape (28 layers, hidden 2048, 16 heads, 8 KV heads, ffn 6144, vocab 151936, tied), seq 4096,
+bf16 autocast over fp32 weights, AdamW, the masked-diffusion loss with 1/t weights normalised by B * L
+(hf-dlm's `MaskedDiffusionObjective`, LLaDA pretraining convention: the same loss as the baseline).
+
+One run of this script times one configuration and prints one JSON line:
+
+    python benchmarks/train_throughput.py --attn cudnn --head masked --compile block --mbs 4
+
+`--suite NAME` runs a list of configurations, each in its own process (clean memory peaks; the Inductor
+cache on disk is shared, so identical decoder blocks compile once), plus the plain-HF baseline script
+(`--baseline-script`, eager and `--compile`) and an SDPA kernel micro-benchmark, and prints a markdown
+table. `--tiny` shrinks everything to a CPU-sized model to debug the script itself.
+
+FLOPs per token: 6N + 12 * layers * hidden * seq (PaLM convention with full attention, the right count
+for a bidirectional model); MFU against 989 TFLOP/s (H100/H200 dense bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+# name -> command-line flags of one configuration; "main" is hf-dlm's recommended setup
+SUITES = {
+    "last": {
+        "dlm main, micro-batch 8": "--mbs 8",
+        "dlm main + float8 tensorwise": "--float8 tensorwise",
+        "attention: flash": "--attn flash",
+        "head: full vocabulary on every position": "--head full",
+        "float8 tensorwise, micro-batch 8": "--float8 tensorwise --mbs 8",
+    },
+    "core": {
+        "dlm main (block compile, cudnn, masked head, fused AdamW)": "",
+        "dlm main + float8 tensorwise": "--float8 tensorwise",
+        "dlm main, micro-batch 8": "--mbs 8",
+        "dlm main, eager loss head": "--no-compile-loss",
+    },
+    "levers": {
+        "float8 rowwise": "--float8 rowwise",
+        "attention: flash": "--attn flash",
+        "head: full vocabulary on every position": "--head full",
+        "compile scope: none (eager)": "--compile none",
+        "optimizer: foreach AdamW (not fused)": "--no-fused-optimizer",
+        "float8 tensorwise, k/v projections too": "--float8 tensorwise --float8-min-features 1024",
+        "activation checkpointing, micro-batch 8": "--activation-checkpointing --mbs 8",
+        "compile scope: whole step": "--compile step",
+    },
+}
+SUITES["all"] = {**SUITES["core"], **SUITES["levers"]}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny model on CPU (debug the script, no timing value)")
+    p.add_argument("--layers", type=int, default=28, help="decoder layers")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size")
+    p.add_argument("--heads", type=int, default=16, help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
+    p.add_argument("--ffn", type=int, default=6144, help="MLP intermediate size")
+    p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (the last id is the mask token)")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length")
+    p.add_argument("--mbs", type=int, default=4, help="micro-batch size (sequences per step)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens here)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
+    p.add_argument("--attn", default="cudnn", choices=["cudnn", "flash", "efficient", "default"],
+                   help="SDPA backend tried first (DLMConfig.sdpa_backends); default = PyTorch's own order")
+    p.add_argument("--repeat-kv", action="store_true",
+                   help="expand K/V to all query heads before SDPA instead of passing enable_gqa")
+    p.add_argument("--head", default="masked", choices=["masked", "full"],
+                   help="masked: logits only at supervised positions; full: every position (weight 0 elsewhere)")
+    p.add_argument("--compile", default="block", choices=["none", "block", "step"],
+                   help="none: eager; block: per-decoder-layer torch.compile (parallelize_dlm); step: the whole loss step")
+    p.add_argument("--no-compile-loss", action="store_true",
+                   help="keep the masked head's chunks (linear + cross-entropy) eager under --compile block")
+    p.add_argument("--no-fused-optimizer", action="store_true", help="foreach AdamW instead of fused")
+    p.add_argument("--float8", default=None, choices=["tensorwise", "rowwise"], help="torchao float8 recipe")
+    p.add_argument("--float8-min-features", type=int, default=2048,
+                   help="convert a linear to float8 only if its in and out features are both at least this")
+    p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every decoder layer")
+    p.add_argument("--loss-chunk", type=int, default=4096, help="DLMConfig.loss_chunk_size")
+    p.add_argument("--peak", type=float, default=989e12, help="peak FLOP/s for MFU")
+    p.add_argument("--profile", action="store_true", help="after timing, list the attention kernels one step ran")
+    p.add_argument("--suite", default=None, choices=sorted(SUITES), help="run a list of configurations")
+    p.add_argument("--baseline-script", default=os.path.join(HERE, "hf_baseline.py"),
+                   help="plain-HF baseline script to time eager and --compile in a suite ('' to skip)")
+    p.add_argument("--sdpa-bench", action="store_true", help="time SDPA fwd+bwd per backend at the model's shape")
+    p.add_argument("--skip", nargs="*", default=[], help="suite: configuration names to leave out")
+    p.add_argument("--time-budget", type=float, default=560.0,
+                   help="suite: skip the configurations left once this many seconds have passed")
+    p.add_argument("--out", default=None, help="suite: write the JSON lines and the table under this folder")
+    return p.parse_args(argv)
+
+
+def build_model(a, device):
+    import torch
+
+    from hf_dlm import DLMConfig, DLMForDiffusionLM
+
+    backends = {"cudnn": ["cudnn", "flash", "efficient"], "flash": ["flash", "efficient"],
+                "efficient": ["efficient"], "default": []}[a.attn]
+    config = DLMConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
+                       num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.hidden // a.heads,
+                       max_position_embeddings=a.seq, tie_word_embeddings=True, qk_norm=True,
+                       mask_token_id=a.vocab - 1, attention_mode="bidirectional", sdpa_backends=backends,
+                       loss_chunk_size=a.loss_chunk)
+    config._attn_implementation = "sdpa_repeat_kv" if a.repeat_kv else "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DLMForDiffusionLM(config)
+    return model.train()
+
+
+def register_repeat_kv_attention():
+    """SDPA with K/V expanded to every query head: some SDPA backends refuse `enable_gqa`."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    def sdpa_repeat_kv(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+            is_causal=module.is_causal and attention_mask is None)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("sdpa_repeat_kv", sdpa_repeat_kv)
+
+
+def run_one(a) -> dict:
+    import torch
+
+    from hf_dlm.training.objective import MaskedDiffusionObjective
+    from hf_dlm.training.parallelize import parallelize_dlm
+
+    device = "cpu" if a.tiny else "cuda"
+    if a.repeat_kv:
+        register_repeat_kv_attention()
+    model = build_model(a, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    t_build = time.perf_counter()
+    parallelize_dlm(model, float8_recipe=a.float8, activation_checkpointing=a.activation_checkpointing,
+                    compile=a.compile == "block", float8_min_features=a.float8_min_features)
+    if a.no_compile_loss:
+        model.compile_loss_head = False
+    objective = MaskedDiffusionObjective.from_model_config(model.config, preset="llada", random_length_prob=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not a.no_fused_optimizer and not a.tiny,
+                                  foreach=True if a.no_fused_optimizer or a.tiny else None)
+    autocast = torch.autocast(device, dtype=torch.bfloat16)
+
+    def loss_fn(input_ids, sample_index):
+        inputs = objective.corrupt(input_ids, sample_index)
+        if a.head == "full":  # same loss, but every position goes through the head
+            inputs["labels"] = input_ids
+        kwargs = {k: v for k, v in inputs.items() if k not in ("t", "masked")}
+        with autocast:
+            return model(**kwargs).loss
+
+    step_loss = torch.compile(loss_fn) if a.compile == "step" else loss_fn
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    # bidirectionality probe on the model as it trains (compiled, same shapes: no recompilation)
+    probe = torch.randint(0, a.vocab - 1, (a.mbs, a.seq), device=device)
+    changed = probe.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % (a.vocab - 1)
+    with autocast, torch.no_grad():
+        first = model.model(input_ids=probe).last_hidden_state[:, 0].float()
+        second = model.model(input_ids=changed).last_hidden_state[:, 0].float()
+    bidirectional = bool((first - second).abs().max() > 0)
+    del first, second
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    times, losses = [], []
+    for i in range(a.warmup + a.steps):
+        input_ids = torch.randint(0, a.vocab - 1, (a.mbs, a.seq), device=device)
+        sample_index = torch.arange(i * a.mbs, (i + 1) * a.mbs, device=device)
+        sync()
+        t0 = time.perf_counter()
+        loss = step_loss(input_ids, sample_index)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    timed = sorted(times[a.warmup:])
+    dt = timed[len(timed) // 2]
+    tokens = a.mbs * a.seq
+    flops_per_token = 6 * n_params + 12 * a.layers * a.hidden * a.seq
+    result = dict(params=n_params, mbs=a.mbs, tokens_per_s=tokens / dt, step_s=dt, step_spread_s=timed[-1] - timed[0],
+                  mfu=flops_per_token * tokens / dt / a.peak, tflops=flops_per_token * tokens / dt / 1e12,
+                  peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
+                  first_step_s=times[0], setup_s=time.perf_counter() - t_build - sum(times), loss=losses[-1],
+                  loss_finite=all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
+                  bidirectional=bidirectional, graph_breaks=sum(counters["graph_break"].values()))
+    if a.profile and device == "cuda":
+        try:
+            result["attention_kernels"], result["top_kernels_fwd_bwd_ms"] = attention_kernels(step_loss, optimizer, a, device)
+        except Exception as error:  # the timing above stands even if the profiler fails
+            result["profile_error"] = repr(error)[:300]
+    return result
+
+
+def attention_kernels(step_loss, optimizer, a, device) -> list[str]:
+    """Names of the GPU kernels of one step that look like attention (which SDPA backend really ran)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    input_ids = torch.randint(0, a.vocab - 1, (a.mbs, a.seq), device=device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step_loss(input_ids, torch.arange(a.mbs, device=device)).backward()
+        torch.cuda.synchronize()
+    optimizer.zero_grad(set_to_none=True)
+    events = list(prof.key_averages())
+    names = {e.key for e in events}
+    attention = sorted(n[:90] for n in names if any(k in n.lower() for k in ("fmha", "flash", "attn", "attention", "cudnn", "sdpa")))
+
+    def device_ms(e):
+        return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 1e3
+
+    top = sorted(events, key=device_ms, reverse=True)[:30]
+    return attention, [(e.key[:100], round(device_ms(e), 2), e.count) for e in top]
+
+
+def sdpa_bench(a) -> list[dict]:
+    """fwd+bwd TFLOP/s of non-causal SDPA at the model's shape, per backend, with enable_gqa or K/V repeated."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hd = a.hidden // a.heads
+    rows = []
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        for gqa in (True, False):
+            q = torch.randn(a.mbs, a.heads, a.seq, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            kv_heads = a.kv_heads if gqa else a.heads
+            k = torch.randn(a.mbs, kv_heads, a.seq, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn_like(k, requires_grad=True)
+            try:
+                with sdpa_kernel([backend]):
+                    def once():
+                        F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa).sum().backward()
+                    for _ in range(3):
+                        once()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(10):
+                        once()
+                    torch.cuda.synchronize()
+                dt = (time.perf_counter() - t0) / 10
+                flops = 4 * a.mbs * a.heads * a.seq * a.seq * hd * 3.5  # fwd 2 matmuls, bwd 5 (2.5x fwd)
+                rows.append(dict(backend=name, enable_gqa=gqa, ms=dt * 1e3, tflops=flops / dt / 1e12))
+            except RuntimeError as error:
+                rows.append(dict(backend=name, enable_gqa=gqa, error=str(error).splitlines()[0][:120]))
+    return rows
+
+
+def run_suite(a) -> int:
+    out = a.out or os.environ.get("OUT") or "."
+    os.makedirs(out, exist_ok=True)
+    log = open(os.path.join(out, "train_throughput.jsonl"), "a")
+    common = ["--warmup", str(a.warmup), "--steps", str(a.steps)] + (["--tiny"] if a.tiny else [])
+    results = []
+
+    suite_start = time.perf_counter()
+
+    def launch(tag, cmd):
+        t0 = time.perf_counter()
+        left = a.time_budget - (t0 - suite_start)
+        if left < 30:
+            print(f"skipped (time budget): {tag}", flush=True)
+            return
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired as error:
+            proc = subprocess.CompletedProcess(cmd, 124, "", f"timed out after {left:.0f} s: {error}")
+        line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
+        result = json.loads(line) if line and proc.returncode == 0 else {"error": (proc.stderr or proc.stdout)[-600:]}
+        result.update(tag=tag, wall_s=time.perf_counter() - t0)
+        results.append(result)
+        log.write(json.dumps(result) + "\n")
+        log.flush()
+        print(json.dumps(result), flush=True)
+
+    if a.sdpa_bench and not a.tiny:
+        import torch  # noqa: F401
+
+        for row in sdpa_bench(a):
+            print("sdpa", json.dumps(row), flush=True)
+            log.write(json.dumps(dict(tag="sdpa", **row)) + "\n")
+    if a.baseline_script and os.path.exists(a.baseline_script) and not a.tiny:
+        base = [sys.executable, a.baseline_script, "--mbs", "4", "--warmup", str(a.warmup), "--steps", str(a.steps)]
+        launch("plain HF, eager (baseline)", base)
+        launch("plain HF, torch.compile of the step (baseline)", base + ["--compile"])
+    for tag, flags in SUITES[a.suite].items():
+        if tag in a.skip:
+            continue
+        launch(tag, [sys.executable, os.path.abspath(__file__)] + common + flags.split()
+               + (["--profile"] if tag.startswith("dlm main (") else []))
+    table = format_table(results)
+    print(table)
+    with open(os.path.join(out, "train_throughput.md"), "w") as f:
+        f.write(table + "\n")
+    return 0
+
+
+def format_table(results) -> str:
+    lines = ["| setup | mbs | tokens/s | TFLOP/s | MFU | peak GiB | first step s | notes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['tag']} | | failed | | | | | {r['error'].splitlines()[-1][:100] if r['error'] else ''} |")
+            continue
+        notes = []
+        if r.get("bidirectional") is False:
+            notes.append("NOT bidirectional")
+        if r.get("graph_breaks"):
+            notes.append(f"{r['graph_breaks']} graph breaks")
+        if r.get("loss_finite") is False:
+            notes.append("loss not finite")
+        if r.get("attention_kernels"):
+            notes.append("kernels: " + ", ".join(k[:40] for k in r["attention_kernels"][:3]))
+        lines.append(f"| {r['tag']} | {r.get('mbs', 4)} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
+                     f"{100 * r['mfu']:.1f}% | {r.get('peak_mem_gib', r.get('peak_mem_gb', 0)):.1f} | "
+                     f"{r.get('first_step_s', float('nan')):.1f} | {'; '.join(notes)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.tiny:
+        a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, a.vocab, a.seq = 2, 64, 4, 2, 128, 512, 64
+        a.mbs = min(a.mbs, 2)
+        a.warmup, a.steps = min(a.warmup, 1), min(a.steps, 2)
+    if a.suite:
+        return run_suite(a)
+    result = run_one(a)
+    result.update(config={k: v for k, v in vars(a).items() if k not in ("suite", "out", "baseline_script")})
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

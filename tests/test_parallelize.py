@@ -1,0 +1,168 @@
+"""parallelize_dlm on CPU: FSDP2 and tensor parallel over 2 gloo processes reproduce the single-process loss
+and gradients; activation checkpointing and per-block compile change no numbers, names or attention."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hf_dlm.training.objective import MaskedDiffusionObjective
+from hf_dlm.training.parallelize import parallelize_dlm
+from tests.conftest import MASK_ID, VOCAB, tiny_model
+
+BATCH, LENGTH, STEPS = 4, 12, 2
+
+
+def _batches():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB - 1, (BATCH, LENGTH), generator=generator) for _ in range(STEPS)]
+
+
+def _objective():
+    return MaskedDiffusionObjective(mask_token_id=MASK_ID, normalization="batch")
+
+
+def _train(model, rows=slice(None)):
+    """STEPS of AdamW on `rows` of each batch; returns the losses and the first step's gradients."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], None
+    for step, batch in enumerate(_batches()):
+        sample_index = torch.arange(step * BATCH, (step + 1) * BATCH)[rows]
+        loss, _ = _objective()(model, batch[rows], sample_index)
+        loss.backward()
+        if grads is None:
+            grads = {name: _full(p.grad) for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses, grads
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach().clone()
+
+
+def _worker(rank, world_size, init_file, out_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    results = {}
+    # FSDP2: each rank trains on its half of every batch (data parallel), gradients averaged
+    model = parallelize_dlm(tiny_model("sdpa").train(), dp_mesh=mesh)
+    rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    losses, grads = _train(model, rows)
+    for loss in losses:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    results["fsdp"] = (losses, grads)
+    # the full stack in torchtitan's order: checkpointing, per-block compile, then FSDP2
+    model = parallelize_dlm(tiny_model("sdpa").train(), dp_mesh=mesh, activation_checkpointing=True, compile=True,
+                            compile_options={"backend": "aot_eager"})
+    losses, grads = _train(model, rows)
+    for loss in losses:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    results["fsdp+checkpointing+compile"] = (losses, grads)
+    # tensor parallel: every rank sees the whole batch, each holds half of the heads and MLP columns
+    model = parallelize_dlm(tiny_model("sdpa").train(), tp_mesh=mesh)
+    results["tp"] = _train(model)
+    if rank == 0:
+        torch.save(results, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def distributed_results():
+    with tempfile.TemporaryDirectory() as folder:
+        out_file = os.path.join(folder, "results.pt")
+        mp.spawn(_worker, args=(2, os.path.join(folder, "init"), out_file), nprocs=2, join=True)
+        return torch.load(out_file)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _train(tiny_model("sdpa").train())
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp+checkpointing+compile", "tp"])
+def test_two_process_matches_single_process(distributed_results, reference, layout):
+    losses, grads = distributed_results[layout]
+    ref_losses, ref_grads = reference
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=0, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=1e-6, msg=f"{layout} gradient of {name}")
+    assert ref_grads["model.layers.0.self_attn.q_norm.weight"].abs().sum() > 0  # the TP norm hook has work to do
+
+
+def test_activation_checkpointing_gives_the_same_gradients(reference):
+    model = parallelize_dlm(tiny_model("sdpa").train(), activation_checkpointing=True)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    losses, grads = _train(model)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(reference[0]), rtol=0, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[1][name], rtol=0, atol=1e-6)
+
+
+def _first_row_influence(model, ids):
+    """Which query positions' hidden states change when the last token changes."""
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % (VOCAB - 1)
+    with torch.no_grad():
+        before, after = model.model(ids).last_hidden_state, model.model(changed).last_hidden_state
+    return (before - after).abs().amax(-1)[0] > 0
+
+
+def test_per_block_compile_stays_bidirectional_and_exact():
+    eager = tiny_model("sdpa")
+    model = tiny_model("sdpa")
+    keys = list(model.state_dict())
+    parallelize_dlm(model, compile=True, activation_checkpointing=True, compile_options={"backend": "aot_eager"})
+    assert list(model.state_dict()) == keys  # in-place compile: save_pretrained keys unchanged
+    assert model.compile_loss_head
+    ids = torch.randint(0, VOCAB - 1, (2, 10))
+    assert _first_row_influence(model, ids).all()  # position 0 sees the last token under compile
+    model.train(), eager.train()
+    sample_index = torch.arange(2)
+    loss, _ = _objective()(model, ids, sample_index)
+    loss.backward()
+    eager_loss, _ = _objective()(eager, ids, sample_index)
+    eager_loss.backward()
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_tensor_parallel_rejects_indivisible_heads():
+    from hf_dlm.training.parallelize import apply_tensor_parallel
+
+    class FakeMesh:
+        def size(self):
+            return 3
+
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        apply_tensor_parallel(tiny_model(), FakeMesh())
+
+
+def test_bidirectional_sdpa_runs_mask_free(monkeypatch):
+    """No padding, bidirectional: SDPA gets no mask and is_causal=False, so the fastest kernel (cuDNN on
+    Hopper) can run; also inside a compiled block."""
+    import torch.nn.functional as F
+
+    calls = []
+    original = F.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    for compile in (False, True):
+        calls.clear()
+        model = parallelize_dlm(tiny_model("sdpa"), compile=compile, compile_options={"backend": "eager"})
+        with torch.no_grad():
+            model(torch.randint(0, VOCAB - 1, (2, 8)))
+        assert len(calls) == 2 and all(mask is None and causal is False for mask, causal in calls), calls

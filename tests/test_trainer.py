@@ -173,3 +173,22 @@ def test_sft_batches_never_supervise_prompt_or_padding(tmp_path):
     assert batch["_dlm_stats"]["items"] == 4  # "sequence": one item per row
     loss = trainer.compute_loss(trainer.model.train(), batch)
     assert torch.isfinite(loss) and loss > 0
+
+
+def test_compile_blocks_and_fp8_recipe_go_through_parallelize(tmp_path, monkeypatch):
+    """compile_blocks compiles every decoder layer in place (same losses as eager); fp8_recipe reaches
+    parallelize_dlm's float8 conversion before accelerate wraps the model."""
+    eager = make_trainer(tmp_path / "eager", max_steps=2)
+    eager.train()
+    compiled = make_trainer(tmp_path / "compiled", max_steps=2, compile_blocks=True)
+    layers = compiled.accelerator.unwrap_model(compiled.model).model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    compiled.train()
+    torch.testing.assert_close(torch.tensor(compiled.step_losses), torch.tensor(eager.step_losses), rtol=1e-5, atol=1e-5)
+
+    from hf_dlm.training import parallelize
+
+    calls = []
+    monkeypatch.setattr(parallelize, "parallelize_dlm", lambda model, **kw: calls.append(kw) or model)
+    make_trainer(tmp_path / "fp8", fp8_recipe="rowwise")
+    assert calls == [{"float8_recipe": "rowwise", "compile": False}]

@@ -98,9 +98,7 @@ def train(args, device):
     bar.close()
     print(f"trained {step} steps ({step * args.batch_size * args.seq_len / 1e6:.1f}M tokens) in "
           f"{time.perf_counter() - start:.0f}s; last losses {[round(x, 3) for x in losses[-4:]]}")
-    model.eval()
-    if device.type == "cuda":
-        model.to(torch.bfloat16)
+    model.eval()  # generation runs under bf16 autocast too (fp32 weights keep RoPE's inv_freq exact)
     return model, tokenizer, heldout_docs
 
 
@@ -149,6 +147,11 @@ def run_mode(model, prompts, batch_size, options, pad_id, device):
 def main():
     args = parse_args()
     device = torch.device(args.device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        benchmark(args, device)
+
+
+def benchmark(args, device):
     torch.manual_seed(0)
     model, tokenizer, heldout_docs = train(args, device)
     prompts = heldout_prompts(tokenizer, heldout_docs, args.num_prompts)

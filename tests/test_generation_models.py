@@ -120,3 +120,23 @@ def test_generation_config_round_trips_and_rejects_bad_fields(tmp_path):
         DLMGenerationConfig.from_any(None, cache="full")
     with pytest.raises(ValueError, match="block_length"):
         model_for("bidirectional").generate(torch.tensor([[1, 2]]), max_new_tokens=10, block_length=4)
+
+
+@pytest.mark.parametrize("query", [(9, 13), (9, 20), (4, 20)])
+def test_a_cached_window_on_an_unchanged_canvas_reproduces_the_full_forward(query):
+    """The approximate caches differ from the uncached sampler only through stale keys: with nothing
+    changed since the cache was filled, a window's logits equal the full forward's (padding included)."""
+    from hf_dlm.modeling.generation_cache import DLMKVCache
+
+    model = model_for("bidirectional")
+    _, input_ids, attention_mask = left_padded([5, 9, 3])
+    canvas = torch.cat([input_ids, torch.full((3, 11), model.config.mask_token_id)], 1)
+    mask = torch.cat([attention_mask, torch.ones(3, 11, dtype=torch.long)], 1)
+    full = model(input_ids=canvas, attention_mask=mask).logits
+    cache = DLMKVCache(mask, (mask.cumsum(-1) - 1).clamp(min=0))
+    model(input_ids=canvas, kv_cache=cache.window(0, None, store=True))
+    window = model(input_ids=canvas[:, query[0] : query[1]], kv_cache=cache.window(query[0])).logits
+    torch.testing.assert_close(window, full[:, query[0] : query[1]], rtol=1e-5, atol=1e-5)
+    rows = torch.tensor([2, 0])  # a subset of rows (finished rows left the batch) reads its own cache rows
+    window = model(input_ids=canvas[rows, query[0] : query[1]], kv_cache=cache.window(query[0], rows=rows)).logits
+    torch.testing.assert_close(window, full[rows, query[0] : query[1]], rtol=1e-5, atol=1e-5)

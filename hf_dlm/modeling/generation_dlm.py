@@ -176,11 +176,11 @@ class DiffusionSampler:
                     active = ~done & (budget[:, step] > 0)
                 else:
                     active = ~done & canvas[:, window[0] : end].eq(mask_id).any(1)
-                    if not bool(active.any()):
+                rows = active.nonzero().squeeze(1)  # the step's one host sync
+                if rows.numel() == 0:
+                    if cfg.threshold is not None:
                         break
-                rows = active.nonzero().squeeze(1)
-                if rows.numel() == 0:  # budget exhausted for every row: LLaDA's step commits nothing
-                    step += 1
+                    step += 1  # budget exhausted for every row: LLaDA's step commits nothing
                     continue
                 if self.cache is None:
                     query, k_end, store = (0, total), total, False

@@ -60,10 +60,8 @@ def select_commits(confidence: torch.Tensor, budget: torch.Tensor | None, thresh
     if threshold is not None:
         best = torch.zeros_like(allowed).scatter_(1, confidence.argmax(-1, keepdim=True), True)
         return ((confidence >= threshold) | best) & allowed
-    k_max = int(budget.max()) if budget.numel() else 0
-    if k_max == 0:
-        return torch.zeros_like(allowed)
-    index = confidence.topk(min(k_max, confidence.shape[1]), dim=-1).indices
+    # rank every position (no host sync on the budget's maximum); ties go to the lower index
+    index = confidence.sort(dim=-1, descending=True, stable=True).indices
     rank_ok = torch.arange(index.shape[1], device=budget.device).unsqueeze(0) < budget.unsqueeze(1)
     return torch.zeros_like(allowed).scatter_(1, index, rank_ok) & allowed
 

@@ -195,7 +195,7 @@ def benchmark(args, device):
         lines.append(f"| {r['mode']} | {r['batch_size']} | {r['tokens_per_s']:,.0f} | {r['speedup_vs_reference']:.1f}x | "
                      f"{r['forward_passes_per_token']:.3f} | {100 * r['agreement_with_reference']:.1f}% |")
     print("\n".join(lines))
-    print("batch-of-16 vs alone token agreement (first 4 prompts):", json.dumps(consistency))
+    print(f"batch of {max(batch_sizes)} vs alone, token agreement (first 4 prompts):", json.dumps(consistency))
     sample = tokenizer.decode(prompts[0]) + " ||| " + tokenizer.decode(reference[max(batch_sizes)][0], skip_special_tokens=True)
     print("sample (prompt ||| reference completion):", sample[:600])
     if args.out:

@@ -172,3 +172,22 @@ def test_streamer_receives_the_prompt_then_the_committed_prefix():
     with pytest.raises(ValueError, match="batch of 1"):
         model.generate(torch.tensor([[1], [2]]), streamer=streamer, max_new_tokens=4)
     assert out.shape == (1, 5)
+
+
+def test_sampling_helpers_filter_draw_in_float64_and_score():
+    from hf_dlm.modeling.generation_sampling import add_gumbel_noise, confidence_scores, filter_logits
+
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]]).log_softmax(-1)  # p = 0.644, 0.237, 0.087, 0.032
+    assert torch.isinf(filter_logits(logits, 2, None)[0, 0, 2:]).all()
+    kept = torch.isfinite(filter_logits(logits, None, 0.8))[0, 0].tolist()
+    assert kept == [True, True, False, False]  # 0.64 < 0.8 <= 0.88: the two most likely
+    assert add_gumbel_noise(logits, 0.0) is logits
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([add_gumbel_noise(logits, 1.0, generator).argmax(-1) for _ in range(2000)]).flatten()
+    assert add_gumbel_noise(logits, 1.0).dtype == torch.float64
+    assert abs(draws.eq(0).float().mean().item() - 0.644) < 0.04  # Gumbel-max draws from softmax(logits / T)
+    x0 = torch.tensor([[1]])
+    assert confidence_scores(logits, x0, "low_confidence").item() == pytest.approx(0.2369, abs=1e-4)
+    assert confidence_scores(logits, x0, "margin").item() == pytest.approx(0.6439 - 0.2369, abs=1e-3)
+    p = logits.exp().double()
+    assert confidence_scores(logits, x0, "entropy").item() == pytest.approx((p * p.log()).sum().item())

@@ -41,7 +41,7 @@ def add_arguments(parser):
                                 help=f"turn off {flag}")
         else:
             parser.add_argument(flag, type=kinds.get(name, str), choices=choices.get(name), default=None,
-                                help=f"{help_text} (default: {default})")
+                                help=help_text if default is None else f"{help_text} (default: {default})")
 
 
 def run(args) -> int:

@@ -14,7 +14,7 @@ DLM_GENERATION_FIELDS = {
     "remasking": ("low_confidence", f"which masked positions to commit first: one of {REMASKING}"),
     "cfg_scale": (0.0, "classifier-free guidance: un + (s + 1) * (cond - un), the prompt masked for un"),
     "threshold": (None, "Fast-dLLM parallel decoding: commit every masked token of the block whose confidence "
-                  "is >= threshold (at least the most confident one); steps then only bound nothing"),
+                  "is >= threshold (at least the most confident one) until the block is done; steps is then ignored"),
     "cache": ("none", f"KV cache, one of {CACHE_MODES}; approximate for bidirectional models (Fast-dLLM), "
               "exact for attention_mode='block' models (prefix and dual mean the same there)"),
     "stop_on_eos": (True, "a row whose last finished block is all EOS is done: its remaining masks become EOS"),

@@ -1,0 +1,74 @@
+"""The per-step arithmetic of the diffusion samplers: token budgets, Gumbel-max candidates, confidence
+scores and which masked positions to commit (LLaDA `generate.py` and Fast-dLLM semantics)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def num_transfer_tokens(masked_count: torch.Tensor, steps: int) -> torch.Tensor:
+    """Tokens to commit at each of `steps` steps: `masked_count // steps` each, the remainder one each
+    to the first steps (LLaDA's `get_num_transfer_tokens`). (B,) -> (B, steps)."""
+    base = torch.div(masked_count, steps, rounding_mode="floor").unsqueeze(1)
+    remainder = (masked_count % steps).unsqueeze(1)
+    step_index = torch.arange(steps, device=masked_count.device).unsqueeze(0)
+    return base + (step_index < remainder).long()
+
+
+def add_gumbel_noise(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None):
+    """Gumbel-max sampling in float64 (low-precision Gumbel noise degrades sample quality, LLaDA):
+    argmax(exp(logits) / (-log u)^T) draws from softmax(logits / T). T = 0 returns the logits (argmax)."""
+    if temperature == 0:
+        return logits
+    logits = logits.to(torch.float64)
+    noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    return logits.exp() / (-torch.log(noise)) ** temperature
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """top-k / nucleus filtering of the candidates' distribution (filtered entries -> -inf)."""
+    if top_k:
+        kth = logits.topk(min(int(top_k), logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.float().softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), -torch.inf)
+    return logits
+
+
+def confidence_scores(logits: torch.Tensor, x0: torch.Tensor, remasking: str, generator=None) -> torch.Tensor:
+    """(B, W, V), (B, W) -> (B, W) float64: higher = committed first. Probabilities come from the
+    unfiltered, un-noised logits in float64, as in LLaDA."""
+    if remasking == "random":
+        return torch.rand(x0.shape, device=x0.device, generator=generator, dtype=torch.float64)
+    log_p = logits.to(torch.float64).log_softmax(-1)
+    if remasking == "low_confidence":
+        return log_p.gather(-1, x0.unsqueeze(-1)).squeeze(-1).exp()
+    if remasking == "margin":  # top-1 minus top-2 probability
+        top2 = log_p.topk(2, dim=-1).values.exp()
+        return top2[..., 0] - top2[..., 1]
+    return (log_p.exp() * log_p).sum(-1)  # "entropy": minus the entropy, so low entropy commits first
+
+
+def select_commits(confidence: torch.Tensor, budget: torch.Tensor | None, threshold: float | None) -> torch.Tensor:
+    """Which positions to commit. confidence (B, W), -inf where not allowed. budget (B,): commit the
+    `budget` most confident (LLaDA); threshold: commit every position with confidence >= threshold
+    plus the most confident one (Fast-dLLM). -> (B, W) bool."""
+    allowed = torch.isfinite(confidence)
+    if threshold is not None:
+        best = torch.zeros_like(allowed).scatter_(1, confidence.argmax(-1, keepdim=True), True)
+        return ((confidence >= threshold) | best) & allowed
+    # rank every position (no host sync on the budget's maximum); ties go to the lower index
+    index = confidence.sort(dim=-1, descending=True, stable=True).indices
+    rank_ok = torch.arange(index.shape[1], device=budget.device).unsqueeze(0) < budget.unsqueeze(1)
+    return torch.zeros_like(allowed).scatter_(1, index, rank_ok) & allowed
+
+
+def finished_rows(block_tokens: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """(B, W) decoded block -> (B,) bool: the block ends in EOS and everything after its first EOS is EOS
+    (LLaDA-style models pad the answer with EOS, so the rest of the row is EOS too)."""
+    is_eos = torch.isin(block_tokens, eos_ids)
+    after_first = is_eos.long().cummax(-1).values.bool()
+    return is_eos[:, -1] & (after_first == is_eos).all(-1)

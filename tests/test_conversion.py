@@ -55,6 +55,14 @@ def bidirectional_mask(batch, length):
     return torch.zeros(batch, 1, length, length)
 
 
+def assert_matches_source_bidirectionally(dlm, source):
+    """The converted model's logits equal the transformers source run with an all-visible mask (fp32, 1e-5)."""
+    ids = torch.randint(0, 99, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = source(input_ids=ids, attention_mask=bidirectional_mask(2, 10)).logits
+        torch.testing.assert_close(dlm(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+
+
 def save_ar_checkpoint(family, folder, **save_options):
     """A tiny random model of `family` built with transformers' own class, saved to `folder`."""
     model_class, config = FAMILIES[family]
@@ -260,10 +268,7 @@ def test_dream_key_map_on_synthetic_checkpoint(tmp_path):
     convert_checkpoint("dream", tmp_path / "dream", tmp_path / "dlm")
     dlm = DLMForDiffusionLM.from_pretrained(tmp_path / "dlm", attn_implementation="eager").eval()
     assert (dlm.config.mask_token_id, dlm.config.label_alignment, dlm.config.qkv_bias) == (97, "shift", True)
-    ids = torch.randint(0, 99, (2, 10), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = qwen2(input_ids=ids, attention_mask=bidirectional_mask(2, 10)).logits
-        torch.testing.assert_close(dlm(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+    assert_matches_source_bidirectionally(dlm, qwen2)
 
 
 def test_megadlms_hf_folder(tmp_path):
@@ -278,10 +283,7 @@ def test_megadlms_hf_folder(tmp_path):
     model = load_as_dlm("megadlms", tmp_path / "mega_hf")[0]
     model.config._attn_implementation = "eager"
     assert (model.config.mask_token_id, model.config.attention_mode, model.config.qk_norm) == (97, "bidirectional", True)
-    ids = torch.randint(0, 99, (2, 10), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = qwen3(input_ids=ids, attention_mask=bidirectional_mask(2, 10)).logits
-        torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+    assert_matches_source_bidirectionally(model, qwen3)
 
 
 def test_unknown_source_key_is_an_error_naming_it(tmp_path):

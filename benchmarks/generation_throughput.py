@@ -4,10 +4,11 @@ Fast-dLLM caches and the compiled (CUDA-graph) sampler. One command, training in
 1. Trains a small bidirectional DLM (hf-dlm model + MaskedDiffusionObjective, bf16 autocast) for
    `--train-seconds` on a mix of the stdlib corpus and a synthetic COPY TASK whose completion is
    predictable from the prompt, so that a confident model exists to decode in parallel: the prompt
-   `repeat: w1 ... wk |` (k = 3..10 words drawn from a fixed list) is continued by
-   ` w1 ... wk | w1 ... wk | ...` (training: the prompt is never masked, as in SFT).
+   `n1 ... nm repeat: w1 ... w7 |` (a preamble of 0-16 random words that only varies the length, then 7
+   distinct words of a fixed list of 40) is continued by ` w1 ... w7 | w1 ... w7 | ...` (period 8 tokens;
+   training: the prompt is never masked, as in SFT).
 2. Two held-out prompt sets, each left-padded to one width (so every batch has the same canvas shape):
-   `task`: new copy-task instances (their word lists never occur in training), mixed k, so mixed lengths;
+   `task`: new copy-task instances (their word lists never occur in training), mixed lengths;
    `docs`: openings (16 to `--prompt-width` tokens) of held-out stdlib documents, as in the first run.
 3. For each set, batch size (1: the first prompt alone, padded like the batch; 16: the whole set) and
    mode, one timed `generate` (after an untimed warm-up of every shape): tokens/s, forward passes per
@@ -91,33 +92,37 @@ def parse_args():
 
 
 class CopyTask:
-    """`repeat: w1 ... wk |` -> ` w1 ... wk |` repeated; every word (with its leading space) and the bar
-    are single tokens of the benchmark's BPE vocabulary."""
+    """`n1 ... nm repeat: w1 ... wk |` -> ` w1 ... wk |` repeated: a preamble of m = 0..max_preamble random
+    words (it only varies the prompt length), then k distinct words to copy, period k + 1 tokens (fixed:
+    every answer token is the prompt's token a multiple of k + 1 back, so a model can predict the whole
+    answer in parallel). Every word (with its leading space) and the bar are single BPE tokens."""
 
-    def __init__(self, tokenizer, min_words=3, max_words=10):
+    def __init__(self, tokenizer, words=7, max_preamble=16):
         single = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1  # noqa: E731
         self.words = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" " + w))[0] for w in WORDS if single(" " + w)]
         bars = [b for b in (" |", " ;", " ,", " .") if single(b)]
         if len(self.words) < 16 or not bars:
             raise ValueError(f"the BPE vocabulary splits the task's words: {len(self.words)} single-token words")
         self.bar = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(bars[0]))[0]
-        self.prefix = tokenizer("repeat:", add_special_tokens=False)["input_ids"]
-        self.min_words, self.max_words = min_words, max_words
+        self.prefix = tokenizer(" repeat:", add_special_tokens=False)["input_ids"]
+        self.k, self.max_preamble = words, max_preamble
 
-    def draw(self, generator: torch.Generator, exclude: set = frozenset()) -> tuple[int, ...]:
+    def draw(self, generator: torch.Generator, exclude: set = frozenset()):
+        """-> (preamble, items) token tuples; `exclude`: word lists (items) not to draw."""
         while True:
-            k = int(torch.randint(self.min_words, self.max_words + 1, (1,), generator=generator))
-            picks = torch.randint(len(self.words), (k,), generator=generator).tolist()
-            items = tuple(self.words[i] for i in picks)
+            m = int(torch.randint(self.max_preamble + 1, (1,), generator=generator))
+            preamble = tuple(self.words[i] for i in torch.randint(len(self.words), (m,), generator=generator).tolist())
+            items = tuple(self.words[i] for i in torch.randperm(len(self.words), generator=generator)[: self.k].tolist())
             if items not in exclude:
-                return items
+                return preamble, items
 
-    def prompt(self, items) -> list[int]:
-        return self.prefix + list(items) + [self.bar]
+    def prompt(self, instance) -> list[int]:
+        preamble, items = instance
+        return list(preamble) + self.prefix + list(items) + [self.bar]
 
-    def sequence(self, items, length: int) -> tuple[list[int], int]:
+    def sequence(self, instance, length: int) -> tuple[list[int], int]:
         """(prompt + periodic answer cut to `length` tokens, prompt length)."""
-        prompt, period = self.prompt(items), list(items) + [self.bar]
+        prompt, period = self.prompt(instance), list(instance[1]) + [self.bar]
         reps = math.ceil(max(length - len(prompt), 0) / len(period))
         return (prompt + period * reps)[:length], len(prompt)
 
@@ -129,13 +134,22 @@ class CopyTask:
 
 
 def task_windows(task, count, seq_len, exclude, seed):
-    """(count, seq_len) copy-task rows and their prompt masks."""
+    """(n <= count, seq_len) copy-task rows (vectorised `CopyTask.sequence`; rows whose word list is in
+    `exclude` are dropped) and their prompt masks."""
     generator = torch.Generator().manual_seed(seed)
-    rows, prompt_mask = torch.empty(count, seq_len, dtype=torch.long), torch.zeros(count, seq_len, dtype=torch.bool)
-    for i in range(count):
-        ids, prompt_len = task.sequence(task.draw(generator, exclude), seq_len)
-        rows[i], prompt_mask[i, :prompt_len] = torch.tensor(ids), True
-    return rows, prompt_mask
+    words = torch.tensor(task.words)
+    items = words[torch.rand(count, len(task.words), generator=generator).argsort(-1)[:, : task.k]]  # distinct words
+    period = torch.cat([items, torch.full((count, 1), task.bar)], 1)  # (N, k + 1)
+    body = torch.cat([torch.tensor(task.prefix).expand(count, -1), period.repeat(1, seq_len // (task.k + 1) + 2)], 1)
+    preamble_len = torch.randint(task.max_preamble + 1, (count, 1), generator=generator)
+    preamble = words[torch.randint(len(task.words), (count, task.max_preamble), generator=generator)]
+    column = torch.arange(seq_len).unsqueeze(0)
+    from_body = body.gather(1, (column - preamble_len).clamp(min=0))
+    rows = torch.where(column < preamble_len, preamble.gather(1, column.clamp(max=task.max_preamble - 1).expand(
+        count, -1)) if task.max_preamble else from_body, from_body)
+    prompt_mask = column < preamble_len + len(task.prefix) + task.k + 1
+    keep = torch.tensor([tuple(row) not in exclude for row in items.tolist()])
+    return rows[keep], prompt_mask[keep]
 
 
 def train(args, device, task, tokenizer, windows, heldout_lists):
@@ -147,8 +161,9 @@ def train(args, device, task, tokenizer, windows, heldout_lists):
     model = DLMForDiffusionLM(config).to(device)
     n_task = round(args.batch_size * args.task_fraction)
     n_text = args.batch_size - n_task
-    pool = max(4096, n_task * 2000)  # copy-task rows, drawn fresh (the held-out word lists excluded)
-    task_rows, task_prompt = task_windows(task, pool, args.seq_len, heldout_lists, seed=10)
+    # copy-task rows, drawn fresh (the held-out word lists excluded)
+    task_rows, task_prompt = task_windows(task, max(4096, n_task * 2500), args.seq_len, heldout_lists, seed=10)
+    pool = task_rows.shape[0]
     print(f"model {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; {windows.numel() / 1e6:.2f}M "
           f"stdlib training tokens; {pool} copy-task rows; batch {n_text} text + {n_task} task rows")
     objective = MaskedDiffusionObjective.from_model_config(config, preset="mdlm", seed=0)
@@ -236,22 +251,24 @@ def main():
     train_docs, heldout_docs = split_documents(stdlib_documents(max_files=args.max_files))
     tokenizer = train_bpe_tokenizer(train_docs + CopyTask.texts(WORDS), args.vocab_size)
     task = CopyTask(tokenizer)
+    task.max_preamble = min(task.max_preamble, args.prompt_width - len(task.prompt(((), ()))) - task.k)
     generator = torch.Generator().manual_seed(12345)
-    heldout_lists = []
-    while len(heldout_lists) < args.num_prompts:
-        items = task.draw(generator, set(heldout_lists))
-        if len(task.prompt(items)) <= args.prompt_width:
-            heldout_lists.append(items)
+    heldout = []  # new instances: their word lists never occur in training
+    while len(heldout) < args.num_prompts:
+        heldout.append(task.draw(generator, {items for _, items in heldout}))
+    heldout_lists = {items for _, items in heldout}
     windows = pack_windows(tokenizer, train_docs, args.seq_len)
-    model, train_info = train(args, device, task, tokenizer, windows, set(heldout_lists))
-    sets = {"task": [torch.tensor(task.prompt(items)) for items in heldout_lists],
+    model, train_info = train(args, device, task, tokenizer, windows, heldout_lists)
+    sets = {"task": [torch.tensor(task.prompt(instance)) for instance in heldout],
             "docs": doc_prompts(tokenizer, heldout_docs, args.num_prompts, args.prompt_width)}
     pad = tokenizer.pad_token_id
     shared = dict(max_new_tokens=args.gen_length, block_length=args.block_length, steps=args.gen_length,
                   temperature=0.0, threshold=args.threshold)
     modes = dict(EAGER_MODES)
     if args.compile != "none":
-        torch._dynamo.config.recompile_limit = 64  # graphs per (batch, canvas) shape and per cache phase
+        # one graph per (batch, canvas) shape and cache phase
+        setattr(torch._dynamo.config, "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit")
+                else "cache_size_limit", 64)
         modes.update({name: {**options, "compile": args.compile} for name, options in COMPILED_MODES.items()})
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     batches = {(name, b): left_pad(prompts[:b], pad, device, args.prompt_width)
@@ -264,11 +281,9 @@ def main():
         for mode, options in modes.items():  # warm-up: compile / capture / SDPA plans of every shape, untimed
             start = time.perf_counter()
             for b in batch_sizes:  # the reference takes one step per block here: the same shapes, 8x fewer steps
-                warm = {**shared, **options}
-                if warm["threshold"] is None:
-                    warm["steps"] = args.gen_length // args.block_length
-                else:  # an unconfident model would take one step per token; window shapes need >= 2 steps
-                    warm["threshold"] = 0.5
+                # the same shapes in 1 (uncached) or 2 (cached: refresh + window) steps per block
+                warm = {**shared, **options, "threshold": None,
+                        "steps": args.gen_length // args.block_length * (1 if options["cache"] == "none" else 2)}
                 model.generate(*batches[("task", b)], **warm)
             warmup_seconds[mode] = time.perf_counter() - start
             print(f"[{elapsed():.0f}s] warm-up {mode}: {warmup_seconds[mode]:.1f}s")
@@ -319,14 +334,18 @@ def main():
 
 def report(args, rows, noise, fp32, warmup_seconds, train_info, sets, outputs, tokenizer, wall, device):
     for row in rows:
-        base = next(r for r in rows if (r["prompts"], r["batch_size"]) == (row["prompts"], row["batch_size"]))
-        row["speedup_vs_reference"] = row["tokens_per_s"] / base["tokens_per_s"]
-    lines = ["| prompts | batch | mode | tokens/s | vs reference | forward passes / token | ms / forward | "
-             "agreement with reference (bf16) |", "|---|---|---|---|---|---|---|---|"]
+        same = [r for r in rows if (r["prompts"], r["batch_size"]) == (row["prompts"], row["batch_size"])]
+        row["speedup_vs_reference"] = row["tokens_per_s"] / same[0]["tokens_per_s"]
+        compiled = [r for r in same if r["mode"] == "reference, compiled"]
+        if compiled:
+            row["speedup_vs_compiled_reference"] = row["tokens_per_s"] / compiled[0]["tokens_per_s"]
+    lines = ["| prompts | batch | mode | tokens/s | vs reference | vs compiled reference | forward passes / token | "
+             "ms / forward | agreement with reference (bf16) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         extra = f" (eager same mode: {100 * r['agreement_with_eager_same_mode']:.1f}%)" if "agreement_with_eager_same_mode" in r else ""
         lines.append(f"| {r['prompts']} | {r['batch_size']} | {r['mode']} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['speedup_vs_reference']:.2f}x | {r['forward_passes_per_token']:.3f} | {r['ms_per_forward']:.2f} | "
+                     f"{r['speedup_vs_reference']:.2f}x | {r.get('speedup_vs_compiled_reference', float('nan')):.2f}x | "
+                     f"{r['forward_passes_per_token']:.3f} | {r['ms_per_forward']:.2f} | "
                      f"{100 * r['agreement_with_reference']:.1f}%{extra} |")
     lines.append("")
     lines.append("Float32 agreement with the float32 reference loop (largest batch): " +

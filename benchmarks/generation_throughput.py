@@ -5,7 +5,7 @@ Fast-dLLM caches and the compiled (CUDA-graph) sampler. One command, training in
    `--train-seconds` on a mix of the stdlib corpus and a synthetic COPY TASK whose completion is
    predictable from the prompt, so that a confident model exists to decode in parallel: the prompt
    `n1 ... nm repeat: w1 ... w7 |` (a preamble of 0-16 random words that only varies the length, then 7
-   distinct words of a fixed list of 40) is continued by ` w1 ... w7 | w1 ... w7 | ...` (period 8 tokens;
+   distinct words of a fixed list of 42) is continued by ` w1 ... w7 | w1 ... w7 | ...` (period 8 tokens;
    training: the prompt is never masked, as in SFT).
 2. Two held-out prompt sets, each left-padded to one width (so every batch has the same canvas shape):
    `task`: new copy-task instances (their word lists never occur in training), mixed lengths;

@@ -57,7 +57,7 @@ def test_inductor_compiled_sampler_equals_eager_and_reuses_its_graphs():
     eager = model.generate(input_ids, attention_mask=attention_mask, **options)
     compiled = model.generate(input_ids, attention_mask=attention_mask, compile=True, **options)  # CPU: mode default
     assert torch.equal(compiled, eager)
-    assert model._dlm_compiled_forwards.keys() == {"default"}
+    assert generation_compile._COMPILED[model].keys() == {"default"}
     # two graphs (the block-start refresh and the block window) serve every block and later calls
     counters = torch._dynamo.utils.counters
     frames = counters["stats"]["unique_graphs"]

@@ -21,6 +21,8 @@ span of changing width).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .masks import build_attention_mask
@@ -92,10 +94,13 @@ def static_forward(model, input_ids, position_ids, key_padding, key_position_ids
     return logits, torch.stack([k for k, _ in cache.fresh]), torch.stack([v for _, v in cache.fresh])
 
 
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {choice: compiled function}
+
+
 def compiled_forward(model, choice: str):
-    """`static_forward` compiled with COMPILE_CHOICES[choice], kept on the model so later `generate`
-    calls reuse its graphs."""
-    store = model.__dict__.setdefault("_dlm_compiled_forwards", {})
+    """`static_forward` compiled with COMPILE_CHOICES[choice], kept per model (weakly: not an attribute,
+    so copying or saving the model never meets it) so that later `generate` calls reuse its graphs."""
+    store = _COMPILED.setdefault(model, {})
     if choice not in store:
         store[choice] = torch.compile(static_forward, dynamic=False, **COMPILE_CHOICES[choice])
     return store[choice]

@@ -22,7 +22,8 @@ Caches (`cache`):
 `compile` (generation_compile.py) runs the forward through `torch.compile` with static shapes (whole
 batch, block-sized windows) so that CUDA graphs can capture it; the tokens equal the eager sampler's.
 Host syncs: one per step (whether any row still has work: which rows go into the forward, or, compiled,
-whether the block is done), plus EOS checks once per block; the streamer adds one per step.
+whether the block is done), one per block (are all rows done; the exact cache adds its span), and the
+streamer one per step.
 
 Every row is decoded as if alone: left padding with an attention mask works in every mode and cache
 setting, and a row leaves the forward batch once it has nothing left to commit in the current block
@@ -282,11 +283,11 @@ class DiffusionSampler:
                 query_floor = query_lo
             if cfg.stop_on_eos and self.eos_ids and end < total:
                 newly = finished_rows(canvas[:, start:end], eos_ids) & ~done
-                if newly.any():  # LLaDA-style models pad the answer with EOS: the rest of the row is EOS
-                    tail = canvas[newly, end:]
-                    canvas[newly, end:] = tail.masked_fill(tail.eq(mask_id), self.eos_ids[0])
-                    done |= newly
-                if bool(done.all()):
+                # LLaDA-style models pad the answer with EOS: the rest of the row is EOS (no host sync)
+                tail = canvas[:, end:]
+                canvas[:, end:] = tail.masked_fill(tail.eq(mask_id) & newly.unsqueeze(1), self.eos_ids[0])
+                done |= newly
+                if bool(done.all()):  # the block's one host sync
                     break
         if streamer is not None:
             if streamed < new_tokens:

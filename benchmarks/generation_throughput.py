@@ -259,6 +259,9 @@ def main():
     heldout_lists = {items for _, items in heldout}
     windows = pack_windows(tokenizer, train_docs, args.seq_len)
     model, train_info = train(args, device, task, tokenizer, windows, heldout_lists)
+    # the copy task's true answers, to score correctness (not only agreement)
+    answers = torch.stack([torch.tensor(task.sequence(instance, len(task.prompt(instance)) + args.gen_length)[0][
+        len(task.prompt(instance)) :]) for instance in heldout])
     sets = {"task": [torch.tensor(task.prompt(instance)) for instance in heldout],
             "docs": doc_prompts(tokenizer, heldout_docs, args.num_prompts, args.prompt_width)}
     pad = tokenizer.pad_token_id
@@ -318,6 +321,8 @@ def main():
                                row_forwards_per_token=row_forwards / completions.numel(),
                                ms_per_forward=1000 * seconds / forwards,
                                agreement_with_reference=agreement(completions, reference), seconds=seconds)
+                    if set_name == "task":
+                        row["task_accuracy"] = agreement(completions, answers[: completions.shape[0]])
                     if mode.endswith("compiled"):
                         row["agreement_with_eager_same_mode"] = agreement(completions, outputs[(set_name, b, eager_name)])
                     rows.append(row)
@@ -365,13 +370,15 @@ def report(args, rows, noise, fp32, warmup_seconds, errors, train_info, sets, ou
         if compiled:
             row["speedup_vs_compiled_reference"] = row["tokens_per_s"] / compiled[0]["tokens_per_s"]
     lines = ["| prompts | batch | mode | tokens/s | vs reference | vs compiled reference | forward passes / token | "
-             "ms / forward | agreement with reference (bf16) |", "|---|---|---|---|---|---|---|---|---|"]
+             "ms / forward | agreement with reference (bf16) | copy-task accuracy |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         extra = f" (eager same mode: {100 * r['agreement_with_eager_same_mode']:.1f}%)" if "agreement_with_eager_same_mode" in r else ""
         lines.append(f"| {r['prompts']} | {r['batch_size']} | {r['mode']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['speedup_vs_reference']:.2f}x | {compiled_speedup(r)} | "
                      f"{r['forward_passes_per_token']:.3f} | {r['ms_per_forward']:.2f} | "
-                     f"{100 * r['agreement_with_reference']:.1f}%{extra} |")
+                     f"{100 * r['agreement_with_reference']:.1f}%{extra} | "
+                     + (f"{100 * r['task_accuracy']:.1f}% |" if "task_accuracy" in r else "- |"))
     lines.append("")
     lines.append("Float32 agreement with the float32 reference loop (largest batch): " +
                  (", ".join(f"{k} {100 * v:.1f}%" for k, v in fp32.items()) or "skipped"))
@@ -394,7 +401,9 @@ def report(args, rows, noise, fp32, warmup_seconds, errors, train_info, sets, ou
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "generation_throughput.json"), "w") as f:
-            json.dump(dict(args=vars(args), rows=rows, float32_agreement=fp32, noise_floor=noise,
+            counters = torch._dynamo.utils.counters  # graphs, breaks, cudagraph skips: did the capture happen
+            dynamo = {k: dict(counters[k]) for k in ("stats", "graph_break", "inductor") if k in counters}
+            json.dump(dict(args=vars(args), rows=rows, float32_agreement=fp32, noise_floor=noise, dynamo=dynamo,
                            warmup_seconds=warmup_seconds, errors=errors, training=train_info, samples=samples, wall_seconds=wall,
                            device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                            torch=torch.__version__), f, indent=1)

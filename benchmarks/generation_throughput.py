@@ -19,8 +19,8 @@ Fast-dLLM caches and the compiled (CUDA-graph) sampler. One command, training in
    without padding).
 4. Writes `generation_throughput.json` and `generation_throughput.md` to `--out`.
 
-    PYTHONUNBUFFERED=1 python benchmarks/generation_throughput.py --out results/
-    python benchmarks/generation_throughput.py --tiny --out /tmp/gen  # CPU smoke run, ~1 minute
+    PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python benchmarks/generation_throughput.py --out results/
+    PYTHONPATH=$PWD python benchmarks/generation_throughput.py --tiny --out results-tiny/  # CPU smoke run, ~35 s
 """
 
 from __future__ import annotations

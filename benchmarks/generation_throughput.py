@@ -278,84 +278,99 @@ def main():
                for name, prompts in sets.items() for b in batch_sizes}
     elapsed = lambda: time.perf_counter() - wall  # noqa: E731
 
-    rows, outputs, warmup_seconds, errors = [], {}, {}, {}
+    rows, outputs, warmup_seconds, errors, noise, fp32 = [], {}, {}, {}, {}, {}
+    partial = None
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         partial = open(os.path.join(args.out, "generation_throughput_rows.jsonl"), "w")  # survives a killed run
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    phase = dict(args=args, model=model, sets=sets, batches=batches, batch_sizes=batch_sizes, shared=shared,
+                 device=device, outputs=outputs, rows=rows, answers=answers, warmup_seconds=warmup_seconds,
+                 errors=errors, elapsed=elapsed, partial=partial)
+    # eager modes first: a compile failure (even one that breaks the CUDA context) cannot cost their rows
     with autocast:
-        for mode, options in modes.items():  # warm-up: compile / capture / SDPA plans of every shape, untimed
-            start = time.perf_counter()
-            try:
-                for b in batch_sizes:  # the same shapes in 1 (uncached) or 2 (cached: refresh + window) steps per block
-                    warm = {**shared, **options, "threshold": None,
-                            "steps": args.gen_length // args.block_length * (1 if options["cache"] == "none" else 2)}
-                    model.generate(*batches[("task", b)], **warm)
-            except Exception as error:  # a compile failure must not cost the eager results of this one-shot run
-                if "compile" not in options:
-                    raise
-                errors[mode] = f"{type(error).__name__}: {error}"[:2000]
-                print(f"[{elapsed():.0f}s] {mode} failed, left out: {errors[mode]}")
-                continue
-            warmup_seconds[mode] = time.perf_counter() - start
-            print(f"[{elapsed():.0f}s] warm-up {mode}: {warmup_seconds[mode]:.1f}s")
-        for set_name in sets:
-            for b in batch_sizes:
-                for mode, options in modes.items():
-                    if mode in errors:
-                        continue
-                    try:
-                        completions, seconds, forwards, row_forwards = timed_generate(
-                            model, *batches[(set_name, b)], {**shared, **options}, device)
-                    except Exception as error:
-                        if "compile" not in options:
-                            raise
-                        errors[mode] = f"{type(error).__name__}: {error}"[:2000]
-                        print(f"[{elapsed():.0f}s] {mode} failed, left out: {errors[mode]}")
-                        continue
-                    outputs[(set_name, b, mode)] = completions
-                    reference = outputs[(set_name, b, next(iter(modes)))]
-                    eager_name = mode.replace(", compiled", "").replace("reference", "reference (1 token/step)")
-                    row = dict(prompts=set_name, batch_size=b, mode=mode, tokens_per_s=completions.numel() / seconds,
-                               forward_passes_per_token=forwards / args.gen_length,
-                               row_forwards_per_token=row_forwards / completions.numel(),
-                               ms_per_forward=1000 * seconds / forwards,
-                               agreement_with_reference=agreement(completions, reference), seconds=seconds)
-                    if set_name == "task":
-                        row["task_accuracy"] = agreement(completions, answers[: completions.shape[0]])
-                    if mode.endswith("compiled"):
-                        row["agreement_with_eager_same_mode"] = agreement(completions, outputs[(set_name, b, eager_name)])
-                    rows.append(row)
-                    print(f"[{elapsed():.0f}s] " + json.dumps(row))
-                    if args.out:
-                        partial.write(json.dumps(row) + "\n")
-                        partial.flush()
-        # noise floor: the reference loop on prompt 0 inside the largest batch vs alone (same padding / none)
-        noise = {}
+        run_phase(modes={k: v for k, v in modes.items() if "compile" not in v}, **phase)
+    try:
+        with autocast:
+            run_phase(modes={k: v for k, v in modes.items() if "compile" in v}, **phase)
         big = max(batch_sizes)
-        for set_name, prompts in sets.items():
-            if elapsed() > args.budget_seconds - 25 or 1 not in batch_sizes:
-                print(f"[{elapsed():.0f}s] noise floor skipped (time budget)")
-                break
-            in_batch = outputs[(set_name, big, "reference (1 token/step)")][:1]
-            unpadded = timed_generate(model, prompts[0][None].to(device), None, {**shared, **EAGER_MODES[
-                "reference (1 token/step)"]}, device)[0]
-            noise[set_name] = dict(same_padding=agreement(in_batch, outputs[(set_name, 1, "reference (1 token/step)")]),
-                                   unpadded=agreement(in_batch, unpadded))
-    # float32 agreement of the eager modes at the largest batch (no autocast: near-ties no longer flip)
-    fp32 = {}
-    for set_name in sets:
-        if elapsed() > args.budget_seconds - 20:
-            print(f"[{elapsed():.0f}s] float32 agreement of {set_name!r} skipped (time budget)")
-            continue
-        reference = None
-        for mode, options in EAGER_MODES.items():
-            completions = timed_generate(model, *batches[(set_name, big)], {**shared, **options}, device)[0]
-            reference = completions if reference is None else reference
-            fp32[f"{set_name} / {mode}"] = agreement(completions, reference)
-        print(f"[{elapsed():.0f}s] float32 agreement {set_name}: " + json.dumps(
-            {k: round(v, 4) for k, v in fp32.items() if k.startswith(set_name)}))
+        with autocast:  # noise floor: the reference on prompt 0 inside the largest batch vs alone (same padding / none)
+            for set_name, prompts in sets.items():
+                if elapsed() > args.budget_seconds - 25 or 1 not in batch_sizes:
+                    print(f"[{elapsed():.0f}s] noise floor skipped (time budget)")
+                    break
+                in_batch = outputs[(set_name, big, "reference (1 token/step)")][:1]
+                unpadded = timed_generate(model, prompts[0][None].to(device), None, {**shared, **EAGER_MODES[
+                    "reference (1 token/step)"]}, device)[0]
+                noise[set_name] = dict(unpadded=agreement(in_batch, unpadded), same_padding=agreement(
+                    in_batch, outputs[(set_name, 1, "reference (1 token/step)")]))
+        # float32 agreement of the eager modes at the largest batch (no autocast: near-ties no longer flip)
+        for set_name in sets:
+            if elapsed() > args.budget_seconds - 20:
+                print(f"[{elapsed():.0f}s] float32 agreement of {set_name!r} skipped (time budget)")
+                continue
+            reference = None
+            for mode, options in EAGER_MODES.items():
+                completions = timed_generate(model, *batches[(set_name, big)], {**shared, **options}, device)[0]
+                reference = completions if reference is None else reference
+                fp32[f"{set_name} / {mode}"] = agreement(completions, reference)
+            print(f"[{elapsed():.0f}s] float32 agreement {set_name}: " + json.dumps(
+                {k: round(v, 4) for k, v in fp32.items() if k.startswith(set_name)}))
+    except Exception as error:  # report what was measured whatever happens after the eager rows
+        errors["after the eager rows"] = f"{type(error).__name__}: {error}"[:2000]
+        print(f"[{elapsed():.0f}s] stopped early: {errors['after the eager rows']}")
     report(args, rows, noise, fp32, warmup_seconds, errors, train_info, sets, outputs, tokenizer, elapsed(), device)
+
+
+def run_phase(args, model, modes, sets, batches, batch_sizes, shared, device, outputs, rows, answers, warmup_seconds,
+              errors, elapsed, partial):
+    """Warm up `modes` on every shape (untimed), then time each on every prompt set and batch size."""
+    for mode, options in modes.items():  # warm-up: compile / capture / SDPA plans of every shape
+        start = time.perf_counter()
+        try:
+            for b in batch_sizes:  # the same shapes in 1 (uncached) or 2 (cached: refresh + window) steps per block
+                warm = {**shared, **options, "threshold": None,
+                        "steps": args.gen_length // args.block_length * (1 if options["cache"] == "none" else 2)}
+                model.generate(*batches[("task", b)], **warm)
+        except Exception as error:  # a compile failure must not cost the other results of this one-shot run
+            if "compile" not in options:
+                raise
+            errors[mode] = f"{type(error).__name__}: {error}"[:2000]
+            print(f"[{elapsed():.0f}s] {mode} failed, left out: {errors[mode]}")
+            continue
+        warmup_seconds[mode] = time.perf_counter() - start
+        print(f"[{elapsed():.0f}s] warm-up {mode}: {warmup_seconds[mode]:.1f}s")
+    for set_name in sets:
+        for b in batch_sizes:
+            for mode, options in modes.items():
+                if mode in errors:
+                    continue
+                try:
+                    completions, seconds, forwards, row_forwards = timed_generate(
+                        model, *batches[(set_name, b)], {**shared, **options}, device)
+                except Exception as error:
+                    if "compile" not in options:
+                        raise
+                    errors[mode] = f"{type(error).__name__}: {error}"[:2000]
+                    print(f"[{elapsed():.0f}s] {mode} failed, left out: {errors[mode]}")
+                    continue
+                outputs[(set_name, b, mode)] = completions
+                reference = outputs[(set_name, b, "reference (1 token/step)")]
+                row = dict(prompts=set_name, batch_size=b, mode=mode, tokens_per_s=completions.numel() / seconds,
+                           forward_passes_per_token=forwards / args.gen_length,
+                           row_forwards_per_token=row_forwards / completions.numel(),
+                           ms_per_forward=1000 * seconds / forwards,
+                           agreement_with_reference=agreement(completions, reference), seconds=seconds)
+                if set_name == "task":
+                    row["task_accuracy"] = agreement(completions, answers[: completions.shape[0]])
+                if "compile" in options:
+                    eager_name = mode.replace(", compiled", "").replace("reference", "reference (1 token/step)")
+                    row["agreement_with_eager_same_mode"] = agreement(completions, outputs[(set_name, b, eager_name)])
+                rows.append(row)
+                print(f"[{elapsed():.0f}s] " + json.dumps(row))
+                if partial is not None:
+                    partial.write(json.dumps(row) + "\n")
+                    partial.flush()
 
 
 def compiled_speedup(row) -> str:
@@ -363,6 +378,8 @@ def compiled_speedup(row) -> str:
 
 
 def report(args, rows, noise, fp32, warmup_seconds, errors, train_info, sets, outputs, tokenizer, wall, device):
+    order = [*EAGER_MODES, *COMPILED_MODES]
+    rows.sort(key=lambda r: (list(sets).index(r["prompts"]), r["batch_size"], order.index(r["mode"])))
     for row in rows:
         same = [r for r in rows if (r["prompts"], r["batch_size"]) == (row["prompts"], row["batch_size"])]
         row["speedup_vs_reference"] = row["tokens_per_s"] / same[0]["tokens_per_s"]

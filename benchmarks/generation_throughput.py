@@ -112,7 +112,8 @@ class CopyTask:
         while True:
             m = int(torch.randint(self.max_preamble + 1, (1,), generator=generator))
             preamble = tuple(self.words[i] for i in torch.randint(len(self.words), (m,), generator=generator).tolist())
-            items = tuple(self.words[i] for i in torch.randperm(len(self.words), generator=generator)[: self.k].tolist())
+            picks = torch.randperm(len(self.words), generator=generator)[: self.k].tolist()
+            items = tuple(self.words[i] for i in picks)
             if items not in exclude:
                 return preamble, items
 
@@ -390,7 +391,8 @@ def report(args, rows, noise, fp32, warmup_seconds, errors, train_info, sets, ou
              "ms / forward | agreement with reference (bf16) | copy-task accuracy |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        extra = f" (eager same mode: {100 * r['agreement_with_eager_same_mode']:.1f}%)" if "agreement_with_eager_same_mode" in r else ""
+        twin = r.get("agreement_with_eager_same_mode")
+        extra = "" if twin is None else f" (eager same mode: {100 * twin:.1f}%)"
         lines.append(f"| {r['prompts']} | {r['batch_size']} | {r['mode']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['speedup_vs_reference']:.2f}x | {compiled_speedup(r)} | "
                      f"{r['forward_passes_per_token']:.3f} | {r['ms_per_forward']:.2f} | "
@@ -406,14 +408,17 @@ def report(args, rows, noise, fp32, warmup_seconds, errors, train_info, sets, ou
                  ", ".join(f"{k} {v:.1f}" for k, v in warmup_seconds.items()))
     if errors:
         lines.append("Left out after an error: " + "; ".join(f"{k}: {v[:300]}" for k, v in errors.items()))
-    lines.append(f"Training: {train_info['steps']} steps, last losses {[round(x, 3) for x in train_info['last_losses']]}; "
+    last_losses = [round(x, 3) for x in train_info["last_losses"]]
+    lines.append(f"Training: {train_info['steps']} steps, last losses {last_losses}; "
                  f"wall time of the whole run {wall:.0f}s.")
     table = "\n".join(lines)
     print(table)
     samples = {}
     for set_name, prompts in sets.items():
-        completion = outputs[(set_name, max(int(b) for b in args.batch_sizes.split(",")), "reference (1 token/step)")][0]
-        samples[set_name] = tokenizer.decode(prompts[0]) + " ||| " + tokenizer.decode(completion, skip_special_tokens=True)
+        largest = max(int(b) for b in args.batch_sizes.split(","))
+        completion = outputs[(set_name, largest, "reference (1 token/step)")][0]
+        samples[set_name] = (tokenizer.decode(prompts[0]) + " ||| "
+                             + tokenizer.decode(completion, skip_special_tokens=True))
         print(f"sample {set_name} (prompt ||| reference completion): {samples[set_name][:300]!r}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -421,7 +426,8 @@ def report(args, rows, noise, fp32, warmup_seconds, errors, train_info, sets, ou
             counters = torch._dynamo.utils.counters  # graphs, breaks, cudagraph skips: did the capture happen
             dynamo = {k: dict(counters[k]) for k in ("stats", "graph_break", "inductor") if k in counters}
             json.dump(dict(args=vars(args), rows=rows, float32_agreement=fp32, noise_floor=noise, dynamo=dynamo,
-                           warmup_seconds=warmup_seconds, errors=errors, training=train_info, samples=samples, wall_seconds=wall,
+                           warmup_seconds=warmup_seconds, errors=errors, training=train_info, samples=samples,
+                           wall_seconds=wall,
                            device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                            torch=torch.__version__), f, indent=1)
         with open(os.path.join(args.out, "generation_throughput.md"), "w") as f:

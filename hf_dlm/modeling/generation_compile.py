@@ -45,7 +45,8 @@ def resolve_compile(value, device: torch.device) -> str | None:
     if value is True:
         return "reduce-overhead" if device.type == "cuda" else "default"
     if value not in COMPILE_CHOICES:
-        raise ValueError(f"DLMGenerationConfig.compile must be a bool or one of {tuple(COMPILE_CHOICES)}, got {value!r}")
+        raise ValueError(f"DLMGenerationConfig.compile must be a bool or one of {tuple(COMPILE_CHOICES)}, "
+                         f"got {value!r}")
     return value
 
 
@@ -87,7 +88,8 @@ def static_forward(model, input_ids, position_ids, key_padding, key_position_ids
     position_embeddings = backbone.rotary_emb(hidden_states, position_ids)
     cache = _SplicedKV(past, slots)
     for layer in backbone.layers:
-        hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings, kv_cache=cache)
+        hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings,
+                              kv_cache=cache)
     logits = model.lm_head(backbone.norm(hidden_states).index_select(1, head_index))
     if not return_kv:
         return logits

@@ -291,9 +291,13 @@ def main():
     # eager modes first: a compile failure (even one that breaks the CUDA context) cannot cost their rows
     with autocast:
         run_phase(modes={k: v for k, v in modes.items() if "compile" not in v}, **phase)
+    backends = list(model.config.sdpa_backends or [])
     try:
         with autocast:
             run_phase(modes={k: v for k, v in modes.items() if "compile" in v}, **phase)
+        if model.config.sdpa_backends != backends:
+            errors["note"] = f"compiled modes ran with sdpa_backends={model.config.sdpa_backends} (eager: {backends})"
+            model.config.sdpa_backends = backends
         big = max(batch_sizes)
         with autocast:  # noise floor: the reference on prompt 0 inside the largest batch vs alone (same padding / none)
             for set_name, prompts in sets.items():
@@ -326,13 +330,28 @@ def main():
 def run_phase(args, model, modes, sets, batches, batch_sizes, shared, device, outputs, rows, answers, warmup_seconds,
               errors, elapsed, partial):
     """Warm up `modes` on every shape (untimed), then time each on every prompt set and batch size."""
-    for mode, options in modes.items():  # warm-up: compile / capture / SDPA plans of every shape
+    def warm_up(options):  # the same shapes in 1 (uncached) or 2 (cached: refresh + window) steps per block
+        for b in batch_sizes:
+            warm = {**shared, **options, "threshold": None,
+                    "steps": args.gen_length // args.block_length * (1 if options["cache"] == "none" else 2)}
+            model.generate(*batches[("task", b)], **warm)
+
+    for mode, options in modes.items():  # warm-up: compile / capture / SDPA plans of every shape, untimed
         start = time.perf_counter()
         try:
-            for b in batch_sizes:  # the same shapes in 1 (uncached) or 2 (cached: refresh + window) steps per block
-                warm = {**shared, **options, "threshold": None,
-                        "steps": args.gen_length // args.block_length * (1 if options["cache"] == "none" else 2)}
-                model.generate(*batches[("task", b)], **warm)
+            try:
+                warm_up(options)
+            except Exception as error:
+                backends = model.config.sdpa_backends or []
+                if "compile" not in options or not backends or backends[0] != "cudnn":
+                    raise
+                # one retry without cuDNN attention (in case its kernels refuse CUDA-graph capture)
+                errors[f"{mode}, first try with cuDNN attention"] = f"{type(error).__name__}: {error}"[:2000]
+                print(f"[{elapsed():.0f}s] {mode} failed with cuDNN attention first; retrying without: {error}")
+                model.config.sdpa_backends = [b for b in backends if b != "cudnn"]
+                torch._dynamo.reset()  # drops every graph: re-warm the compiled modes already warmed
+                for other in [m for m in warmup_seconds if m in modes] + [mode]:
+                    warm_up(modes[other])
         except Exception as error:  # a compile failure must not cost the other results of this one-shot run
             if "compile" not in options:
                 raise
@@ -407,7 +426,7 @@ def report(args, rows, noise, fp32, warmup_seconds, errors, train_info, sets, ou
     lines.append("Warm-up (compile, capture, kernel plans; untimed) seconds: " +
                  ", ".join(f"{k} {v:.1f}" for k, v in warmup_seconds.items()))
     if errors:
-        lines.append("Left out after an error: " + "; ".join(f"{k}: {v[:300]}" for k, v in errors.items()))
+        lines.append("Errors and notes (a failed compiled mode is left out): " + "; ".join(f"{k}: {v[:300]}" for k, v in errors.items()))
     last_losses = [round(x, 3) for x in train_info["last_losses"]]
     lines.append(f"Training: {train_info['steps']} steps, last losses {last_losses}; "
                  f"wall time of the whole run {wall:.0f}s.")

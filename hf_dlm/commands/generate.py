@@ -18,6 +18,7 @@ SAMPLING_OPTIONS = {
 
 
 def add_arguments(parser):
+    from ..modeling.generation_compile import COMPILE_CHOICES
     from ..modeling.generation_config import CACHE_MODES, DLM_GENERATION_FIELDS, REMASKING
 
     parser.add_argument("--model", required=True, help="checkpoint folder or Hub id (model and tokenizer)")
@@ -32,7 +33,7 @@ def add_arguments(parser):
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
                             help=f"{help_text} (default: the model's generation config)")
     kinds = {"steps": int, "block_length": int, "cfg_scale": float, "threshold": float, "mask_token_id": int}
-    choices = {"remasking": REMASKING, "cache": CACHE_MODES}
+    choices = {"remasking": REMASKING, "cache": CACHE_MODES, "compile": tuple(COMPILE_CHOICES)}
     for name, (default, help_text) in DLM_GENERATION_FIELDS.items():
         flag = f"--{name.replace('_', '-')}"
         if isinstance(default, bool):

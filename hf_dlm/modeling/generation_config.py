@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from transformers import GenerationConfig
 
+from .generation_compile import COMPILE_CHOICES
+
 REMASKING = ("low_confidence", "random", "margin", "entropy")
 CACHE_MODES = ("none", "prefix", "dual")
 
@@ -19,6 +21,11 @@ DLM_GENERATION_FIELDS = {
               "exact for attention_mode='block' models (prefix and dual mean the same there)"),
     "stop_on_eos": (True, "a row whose last finished block is all EOS is done: its remaining masks become EOS"),
     "mask_token_id": (None, "default: model.config.mask_token_id"),
+    "compile": (None, "run the sampler's forward through torch.compile with static shapes (fixed batch, block-sized "
+                "windows): True (reduce-overhead = CUDA graphs on CUDA, default on CPU), a torch.compile mode "
+                "('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs') or a backend "
+                "('cudagraphs': CUDA graphs without Inductor, compiles in seconds; 'eager': tracing only); "
+                "same tokens as eager; not for infilling or attention_mode='block' caches"),
 }
 
 
@@ -60,6 +67,9 @@ class DLMGenerationConfig(GenerationConfig):
             raise ValueError(f"DLMGenerationConfig.remasking must be one of {REMASKING}, got {self.remasking!r}")
         if self.cache not in CACHE_MODES:
             raise ValueError(f"DLMGenerationConfig.cache must be one of {CACHE_MODES}, got {self.cache!r}")
+        if self.compile not in (None, True, False) and self.compile not in COMPILE_CHOICES:
+            raise ValueError(f"DLMGenerationConfig.compile must be a bool or one of {tuple(COMPILE_CHOICES)}, "
+                             f"got {self.compile!r}")
         if self.threshold is not None and not 0.0 <= float(self.threshold) <= 1.0:
             raise ValueError(f"DLMGenerationConfig.threshold must lie in [0, 1], got {self.threshold}")
 

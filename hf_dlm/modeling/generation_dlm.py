@@ -19,6 +19,12 @@ Caches (`cache`):
   recomputes only the model blocks that overlap the current sampler block (per row, so left padding is
   handled), and the result equals the uncached sampler.
 
+`compile` (generation_compile.py) runs the forward through `torch.compile` with static shapes (whole
+batch, block-sized windows) so that CUDA graphs can capture it; the tokens equal the eager sampler's.
+Host syncs: one per step (whether any row still has work: which rows go into the forward, or, compiled,
+whether the block is done), one per block (are all rows done; the exact cache adds its span), and the
+streamer one per step.
+
 Every row is decoded as if alone: left padding with an attention mask works in every mode and cache
 setting, and a row leaves the forward batch once it has nothing left to commit in the current block
 (threshold decoding, exhausted budget) or has finished (EOS to the end): it then costs no compute.
@@ -32,6 +38,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from .generation_cache import DLMKVCache
+from .generation_compile import compiled_forward, resolve_compile
 from .generation_config import DLMGenerationConfig
 from .generation_sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
                                   num_transfer_tokens, select_commits)
@@ -83,6 +90,7 @@ class DiffusionSampler:
         self.exact_cache = config.cache != "none" and mode in ("block", "causal")
         self.cache_block = model.config.block_size if mode == "block" else 1
         self.forward_batch_sizes: list[int] = []
+        self.compiled = None  # set by run() when config.compile asks for it
 
     def _forward(self, tokens, attention_mask, cache, keep: tuple[int, int]) -> torch.Tensor:
         """Logits aligned to positions [keep[0], keep[1]) of `tokens` (shifted models: i - 1 predicts i,
@@ -98,9 +106,48 @@ class DiffusionSampler:
         self.forward_batch_sizes.append(tokens.shape[0])
         return torch.cat([logits[:, :1], logits], dim=1) if lo < 0 else logits
 
+    def _static_logits(self, x, mask, window, query, store):
+        """Compiled sampler: logits (b, W, V) of the window through `static_forward` (every row)."""
+        query_start = min(query[0], window[0] - self.shift)
+        device = x.device
+        head_index = (torch.arange(window[0], window[1], device=device) - self.shift - query_start).clamp(min=0)
+        positions = self.static_positions.repeat(x.shape[0] // self.static_positions.shape[0], 1)
+        if self.config.cache == "none" or query_start == 0:
+            args = (self.model, x, positions, mask, positions, head_index)
+            if self.config.cache != "none" and store:
+                logits, keys, values = self._call_compiled(*args, return_kv=True)
+                if self.static_past is None:
+                    self.static_past = (keys.clone(), values.clone())
+                else:
+                    self.static_past[0].copy_(keys)
+                    self.static_past[1].copy_(values)
+            else:
+                logits = self._call_compiled(*args)
+        else:
+            slots = torch.arange(query_start, query[1], device=device)
+            logits = self._call_compiled(self.model, x[:, query_start : query[1]], positions[:, query_start : query[1]],
+                                         mask, positions, head_index, past=self.static_past, slots=slots)
+        self.forward_batch_sizes.append(x.shape[0])
+        return logits.clone() if self.cudagraphs else logits  # a graph's output is overwritten by its next replay
+
+    def _call_compiled(self, *args, **kwargs):
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.compiled(*args, **kwargs)
+
     def _logits(self, canvas, rows, window, query, key_end, store):
-        """Guided logits (b, W, V) for the canvas positions `window` of the rows `rows`."""
+        """Guided logits (b, W, V) for the canvas positions `window` of the rows `rows` (None: all)."""
         cfg, batch = self.config, canvas.shape[0]
+        if rows is None:
+            x, mask = canvas, self.full_mask
+            if cfg.cfg_scale:
+                x = torch.cat([x, x.masked_fill(self.prompt_tokens, self.mask_id)])
+                mask = torch.cat([mask, mask])
+            logits = self._static_logits(x, mask, window, query, store)
+            if not cfg.cfg_scale:
+                return logits
+            cond, uncond = logits.chunk(2)
+            return uncond + (cfg.cfg_scale + 1) * (cond - uncond)
         x, mask = canvas[rows], self.full_mask[rows]
         if cfg.cfg_scale:  # unconditional copy: the prompt masked; both go through one forward
             x = torch.cat([x, x.masked_fill(self.prompt_tokens[rows], self.mask_id)])
@@ -145,8 +192,20 @@ class DiffusionSampler:
         infill = bool((canvas[:, :prompt_len].eq(mask_id) & self.prompt_tokens[:, :prompt_len]).any())
         if infill and cfg.cache != "none":
             raise ValueError("masks inside the prompt (infilling) need cache='none': cached steps never revisit the prompt")
+        choice = resolve_compile(cfg.compile, device)
+        if choice is not None:
+            if infill or self.exact_cache:
+                raise ValueError("generate(compile=...) supports neither infilling (masks inside the prompt) nor the "
+                                 "exact cache of attention_mode='block' / 'causal' models; use compile=None there")
+            if not (isinstance(getattr(self.model, "model", None), torch.nn.Module)
+                    and isinstance(getattr(self.model, "lm_head", None), torch.nn.Module)):
+                raise ValueError("generate(compile=...) needs a DLM with .model (backbone) and .lm_head")
+            self.compiled = compiled_forward(self.model, choice)
+            self.cudagraphs = choice in ("reduce-overhead", "max-autotune", "cudagraphs") and device.type == "cuda"
+            self.static_positions = (self.full_mask.cumsum(-1) - 1).clamp(min=0)
+            self.static_past = None
         self.cache = None
-        if cfg.cache != "none":
+        if cfg.cache != "none" and self.compiled is None:
             positions = (self.full_mask.cumsum(-1) - 1).clamp(min=0)
             repeat = 2 if cfg.cfg_scale else 1
             self.cache = DLMKVCache(self.full_mask.repeat(repeat, 1), positions.repeat(repeat, 1))
@@ -176,13 +235,16 @@ class DiffusionSampler:
                     active = ~done & (budget[:, step] > 0)
                 else:
                     active = ~done & canvas[:, window[0] : end].eq(mask_id).any(1)
-                rows = active.nonzero().squeeze(1)  # the step's one host sync
-                if rows.numel() == 0:
+                if self.compiled is not None:  # static shapes: every row goes through the forward
+                    rows = None if bool(active.any()) else active.new_zeros(0)  # the step's one host sync
+                else:
+                    rows = active.nonzero().squeeze(1)  # the step's one host sync
+                if rows is not None and rows.numel() == 0:
                     if cfg.threshold is not None:
                         break
                     step += 1  # budget exhausted for every row: LLaDA's step commits nothing
                     continue
-                if self.cache is None:
+                if cfg.cache == "none":
                     query, k_end, store = (0, total), total, False
                 elif self.exact_cache:
                     query, k_end, store = (query_floor if step == 0 else query_lo, key_end), key_end, True
@@ -193,6 +255,8 @@ class DiffusionSampler:
                 else:  # prefix: the block and everything after it are recomputed
                     query, k_end, store = (start, total), total, False
                 logits = self._logits(canvas, rows, window, query, k_end, store)
+                if rows is None:  # compiled: every row; rows with nothing to commit stay as they are
+                    rows = slice(None)
                 current = canvas[rows, window[0] : window[1]]
                 # the mask token is never a candidate (an untrained model may rank it first: no progress)
                 candidates = filter_logits(logits.index_fill(-1, self.mask_index, -torch.inf), cfg.top_k, cfg.top_p)
@@ -203,6 +267,8 @@ class DiffusionSampler:
                 confidence = confidence.masked_fill(current.ne(mask_id), -torch.inf)
                 step_budget = None if cfg.threshold is not None else budget[rows, step]
                 commit = select_commits(confidence, step_budget, cfg.threshold)
+                if isinstance(rows, slice):
+                    commit &= active.unsqueeze(1)
                 canvas[rows, window[0] : window[1]] = torch.where(commit, x0, current)
                 step, step_count = step + 1, step_count + 1
                 if callback is not None:
@@ -217,11 +283,11 @@ class DiffusionSampler:
                 query_floor = query_lo
             if cfg.stop_on_eos and self.eos_ids and end < total:
                 newly = finished_rows(canvas[:, start:end], eos_ids) & ~done
-                if newly.any():  # LLaDA-style models pad the answer with EOS: the rest of the row is EOS
-                    tail = canvas[newly, end:]
-                    canvas[newly, end:] = tail.masked_fill(tail.eq(mask_id), self.eos_ids[0])
-                    done |= newly
-                if bool(done.all()):
+                # LLaDA-style models pad the answer with EOS: the rest of the row is EOS (no host sync)
+                tail = canvas[:, end:]
+                canvas[:, end:] = tail.masked_fill(tail.eq(mask_id) & newly.unsqueeze(1), self.eos_ids[0])
+                done |= newly
+                if bool(done.all()):  # the block's one host sync
                     break
         if streamer is not None:
             if streamed < new_tokens:

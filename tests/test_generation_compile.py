@@ -34,8 +34,6 @@ def test_traced_static_sampler_equals_eager_on_a_mixed_length_batch(cache, thres
     assert torch.equal(traced.sequences, eager.sequences)
     # static shapes: every forward runs the whole batch (CFG doubles it), never fewer rows
     assert set(traced.forward_batch_sizes) == {3 * (2 if cfg_scale else 1)}
-    if threshold is not None:  # rows left the eager batch, so the static sampler did the same work in fewer graphs
-        assert min(eager.forward_batch_sizes) < 3 * (2 if cfg_scale else 1)
     assert len(traced.forward_batch_sizes) == len(eager.forward_batch_sizes)
 
 

@@ -84,3 +84,15 @@ def test_bad_data_sections_name_the_field_file_and_line(tmp_path, tokenizer_dir)
         build_trainer(load_config(_config(tmp_path, {"kind": "indexed", "prefixes": [str(missing)],
                                                      "tokenizer": str(tokenizer_path)})))
     assert not os.path.exists(tmp_path / "out" / "checkpoint-2")
+
+
+def test_pack_documents_by_hand():
+    from hf_dlm.training.memory_dataset import pack_documents
+
+    ids, positions = pack_documents([[5, 6, 7], [8], [9, 10, 11, 12]], 3, eos_token_id=1)
+    assert ids.tolist() == [[5, 6, 7], [1, 8, 1], [9, 10, 11]]
+    assert positions.tolist() == [[0, 1, 2], [3, 0, 1], [0, 1, 2]]  # restarts at each document start
+    ids, positions = pack_documents([[5, 6, 7], [], [9, 10]], 2)  # empty documents start nothing
+    assert ids.tolist() == [[5, 6], [7, 9]] and positions.tolist() == [[0, 1], [2, 0]]
+    with pytest.raises(ValueError, match="one window"):
+        pack_documents([[1]], 4)

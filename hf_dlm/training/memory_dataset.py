@@ -8,6 +8,7 @@ its own saved position.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
@@ -15,18 +16,20 @@ from torch.utils.data import Dataset, IterableDataset
 def pack_documents(documents: list[list[int]], seq_len: int, eos_token_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate token lists (each followed by `eos_token_id` if given) and cut them into windows.
 
-    Returns input_ids (N, seq_len) and position_ids (N, seq_len), restarting at 0 after every EOS."""
-    ids, positions, position = [], [], 0
-    for document in documents:
-        for token in list(document) + ([eos_token_id] if eos_token_id is not None else []):
-            ids.append(token)
-            positions.append(position)
-            position += 1
-        position = 0
+    Returns input_ids (N, seq_len) and position_ids (N, seq_len), restarting at 0 at every document start."""
+    from .datasets import packed_position_ids
+
+    tail = [eos_token_id] if eos_token_id is not None else []
+    lengths = np.array([len(d) + len(tail) for d in documents], dtype=np.int64)
+    ids = np.fromiter((t for d in documents for t in (*d, *tail)), dtype=np.int64, count=int(lengths.sum()))
     n = len(ids) // seq_len
     if n == 0:
         raise ValueError(f"pack_documents: {len(ids)} tokens do not fill one window of {seq_len}")
-    return torch.tensor(ids[: n * seq_len]).view(n, seq_len), torch.tensor(positions[: n * seq_len]).view(n, seq_len)
+    starts = np.concatenate([[0], np.cumsum(lengths[lengths > 0])[:-1]])
+    positions = packed_position_ids(starts[starts < len(ids)], len(ids))
+    shape = (n, seq_len)
+    return (torch.from_numpy(ids[: n * seq_len].reshape(shape)),
+            torch.from_numpy(positions[: n * seq_len].reshape(shape)))
 
 
 class TokenWindowDataset(Dataset):

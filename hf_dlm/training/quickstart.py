@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from ..modeling import DLMConfig, DLMForDiffusionLM
 from .corpus import split_documents, stdlib_documents, train_bpe_tokenizer
 from .elbo import elbo_nll
+from .memory_dataset import pack_documents
 from .objective import MaskedDiffusionObjective
 
 
@@ -44,11 +45,8 @@ class QuickstartConfig:
 
 def pack_windows(tokenizer, docs: list[str], seq_len: int) -> torch.Tensor:
     """Documents joined by EOS and cut into (N, seq_len) windows."""
-    ids = []
-    for encoded in tokenizer(docs, add_special_tokens=False)["input_ids"]:
-        ids.extend(encoded + [tokenizer.eos_token_id])
-    n = len(ids) // seq_len
-    return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+    encoded = tokenizer(docs, add_special_tokens=False)["input_ids"]
+    return pack_documents(encoded, seq_len, tokenizer.eos_token_id)[0]
 
 
 def run_quickstart(cfg: QuickstartConfig, log=print) -> dict:

@@ -216,3 +216,13 @@ def test_weighted_loss_of_a_uniform_model_by_hand():
         loss, inputs = Forced(mask_token_id=MASK_ID, **options)(model, IDS[:2], torch.arange(2))
         assert inputs["masked"].sum(1).tolist() == [2, 3]
         assert loss.item() == pytest.approx(expected, rel=1e-5), options
+
+
+def test_nothing_masked_gives_zero_loss_not_nan():
+    class TinyT(MaskedDiffusionObjective):
+        def sample_t(self, sample_index):
+            return torch.full(sample_index.shape, 1e-9)
+
+    for normalization in ("token", "sequence", "batch"):
+        loss, inputs = TinyT(mask_token_id=MASK_ID, normalization=normalization)(tiny_model(), IDS, torch.arange(4))
+        assert not inputs["masked"].any() and loss.item() == 0.0, normalization

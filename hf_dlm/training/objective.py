@@ -184,7 +184,8 @@ class MaskedDiffusionObjective:
         elif self.normalization == "batch":
             num_items = batch * length
         else:
-            num_items = max(int(masked.sum()), 1)  # a batch with nothing masked has loss 0, not nan
+            # a tensor, not an int: no host sync per micro-batch; clamped so nothing masked gives loss 0, not nan
+            num_items = masked.sum().clamp(min=1)
 
         labels = torch.where(masked, input_ids, IGNORE_INDEX)
         weights = torch.where(masked, weight.unsqueeze(1), 0.0)
@@ -207,7 +208,7 @@ class MaskedDiffusionObjective:
             attention_mask=attention_mask,
             labels=labels,
             label_weights=None,
-            num_items_in_batch=int((labels != IGNORE_INDEX).sum()),
+            num_items_in_batch=(labels != IGNORE_INDEX).sum().clamp(min=1),
             t=None,
             masked=None,
         )

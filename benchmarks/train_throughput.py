@@ -31,28 +31,37 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 # name -> command-line flags of one configuration; "main" is hf-dlm's recommended setup
 SUITES = {
-    "last": {
-        "dlm main, micro-batch 8": "--mbs 8",
-        "dlm main + float8 tensorwise": "--float8 tensorwise",
-        "attention: flash": "--attn flash",
-        "head: full vocabulary on every position": "--head full",
-        "float8 tensorwise, micro-batch 8": "--float8 tensorwise --mbs 8",
-    },
     "core": {
-        "dlm main (block compile, cudnn, masked head, fused AdamW)": "",
+        "dlm main (block compile, cudnn, masked head with gradients in forward, fused q/k/v and gate/up, fused AdamW)": "",
         "dlm main + float8 tensorwise": "--float8 tensorwise",
         "dlm main, micro-batch 8": "--mbs 8",
-        "dlm main, eager loss head": "--no-compile-loss",
     },
-    "levers": {
+    "fusion": {
+        "dlm main (block compile, cudnn, masked head with gradients in forward, fused q/k/v and gate/up, fused AdamW)": "",
+        "projections: separate q/k/v and gate/up GEMMs": "--no-fuse-projections",
+        "head: logits recomputed in backward (checkpointed chunks)": "--head-recompute",
+        "previous main: separate projections, checkpointed head": "--no-fuse-projections --head-recompute",
+        "dlm main + float8 tensorwise": "--float8 tensorwise",
+        "float8 tensorwise, separate projections (k/v stay bf16)": "--float8 tensorwise --no-fuse-projections",
         "float8 rowwise": "--float8 rowwise",
         "attention: flash": "--attn flash",
+    },
+    "tuning": {
+        "dlm main (block compile, cudnn, masked head with gradients in forward, fused q/k/v and gate/up, fused AdamW)": "",
+        "Inductor coordinate-descent tuning": "--coordinate-descent",
+        "dlm main + float8 tensorwise": "--float8 tensorwise --profile",
+        "float8 tensorwise, separate projections (k/v stay bf16)": "--float8 tensorwise --no-fuse-projections",
+        "float8 tensorwise + coordinate-descent tuning": "--float8 tensorwise --coordinate-descent",
+        "float8 rowwise": "--float8 rowwise",
+        "compile mode max-autotune-no-cudagraphs": "--compile-mode max-autotune-no-cudagraphs",
+    },
+    "levers": {
         "head: full vocabulary on every position": "--head full",
         "compile scope: none (eager)": "--compile none",
-        "optimizer: foreach AdamW (not fused)": "--no-fused-optimizer",
-        "float8 tensorwise, k/v projections too": "--float8 tensorwise --float8-min-features 1024",
-        "activation checkpointing, micro-batch 8": "--activation-checkpointing --mbs 8",
         "compile scope: whole step": "--compile step",
+        "optimizer: foreach AdamW (not fused)": "--no-fused-optimizer",
+        "activation checkpointing, micro-batch 8": "--activation-checkpointing --mbs 8",
+        "dlm main, micro-batch 8": "--mbs 8",
     },
 }
 SUITES["all"] = {**SUITES["core"], **SUITES["levers"]}
@@ -79,6 +88,15 @@ def parse_args(argv=None):
                    help="masked: logits only at supervised positions; full: every position (weight 0 elsewhere)")
     p.add_argument("--compile", default="block", choices=["none", "block", "step"],
                    help="none: eager; block: per-decoder-layer torch.compile (parallelize_dlm); step: the whole loss step")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode for the blocks, e.g. max-autotune-no-cudagraphs (default: Inductor's)")
+    p.add_argument("--coordinate-descent", action="store_true",
+                   help="Inductor coordinate_descent_tuning for the blocks' generated kernels")
+    p.add_argument("--no-fuse-projections", action="store_true",
+                   help="separate q/k/v and gate/up GEMMs (parallelize_dlm(fuse_projections=False))")
+    p.add_argument("--head-recompute", action="store_true",
+                   help="the masked head's chunks checkpointed (logits recomputed in backward) instead of "
+                        "computing the head's gradients in forward")
     p.add_argument("--no-compile-loss", action="store_true",
                    help="keep the masked head's chunks (linear + cross-entropy) eager under --compile block")
     p.add_argument("--no-fused-optimizer", action="store_true", help="foreach AdamW instead of fused")
@@ -88,7 +106,8 @@ def parse_args(argv=None):
     p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every decoder layer")
     p.add_argument("--loss-chunk", type=int, default=4096, help="DLMConfig.loss_chunk_size")
     p.add_argument("--peak", type=float, default=989e12, help="peak FLOP/s for MFU")
-    p.add_argument("--profile", action="store_true", help="after timing, list the attention kernels one step ran")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile one step: GPU time by kernel category and the attention kernels")
     p.add_argument("--suite", default=None, choices=sorted(SUITES), help="run a list of configurations")
     p.add_argument("--baseline-script", default=os.path.join(HERE, "hf_baseline.py"),
                    help="plain-HF baseline script to time eager and --compile in a suite ('' to skip)")
@@ -148,9 +167,13 @@ def run_one(a) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     t_build = time.perf_counter()
     parallelize_dlm(model, float8_recipe=a.float8, activation_checkpointing=a.activation_checkpointing,
-                    compile=a.compile == "block", float8_min_features=a.float8_min_features)
+                    compile=a.compile == "block", float8_min_features=a.float8_min_features,
+                    fuse_projections=not a.no_fuse_projections and a.compile != "none",
+                    compile_options={"mode": a.compile_mode} if a.compile_mode else
+                    {"options": {"coordinate_descent_tuning": True}} if a.coordinate_descent else None)
     if a.no_compile_loss:
         model.compile_loss_head = False
+    model.loss_grad_in_forward = not a.head_recompute
     objective = MaskedDiffusionObjective.from_model_config(model.config, preset="llada", random_length_prob=0.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not a.no_fused_optimizer and not a.tiny,
                                   foreach=True if a.no_fused_optimizer or a.tiny else None)
@@ -210,31 +233,59 @@ def run_one(a) -> dict:
                   bidirectional=bidirectional, graph_breaks=sum(counters["graph_break"].values()))
     if a.profile and device == "cuda":
         try:
-            result["attention_kernels"], result["top_kernels_fwd_bwd_ms"] = attention_kernels(step_loss, optimizer, a, device)
+            result.update(profile_step(step_loss, optimizer, a, device))
         except Exception as error:  # the timing above stands even if the profiler fails
             result["profile_error"] = repr(error)[:300]
     return result
 
 
-def attention_kernels(step_loss, optimizer, a, device) -> list[str]:
-    """Names of the GPU kernels of one step that look like attention (which SDPA backend really ran)."""
+# kernel-name fragments -> category, first match wins (cuBLAS / CUTLASS GEMMs are "nvjet", "xmma", "gemm")
+KERNEL_CATEGORIES = (
+    ("attention", ("sdpa", "fmha", "flash_fwd", "flash_bwd", "attention")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "splitk", "matmul")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("inductor (triton)", ("triton",)),
+    ("index / embedding / scatter", ("index", "embedding", "scatter", "gather", "nonzero")),
+    ("copy / memset", ("memcpy", "memset", "copy", "cat")),
+    ("aten elementwise / reduce", ("elementwise", "reduce", "vectorized")),
+)
+
+
+def profile_step(step_loss, optimizer, a, device) -> dict:
+    """One full step (forward, backward, optimizer) under the profiler: GPU time by kernel category, the
+    step's wall time, and the attention kernels that ran (which SDPA backend really ran)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     input_ids = torch.randint(0, a.vocab - 1, (a.mbs, a.seq), device=device)
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         step_loss(input_ids, torch.arange(a.mbs, device=device)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-    optimizer.zero_grad(set_to_none=True)
-    events = list(prof.key_averages())
-    names = {e.key for e in events}
-    attention = sorted(n[:90] for n in names if any(k in n.lower() for k in ("fmha", "flash", "attn", "attention", "cudnn", "sdpa")))
+        wall_ms = (time.perf_counter() - t0) * 1e3
 
     def device_ms(e):
         return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 1e3
 
-    top = sorted(events, key=device_ms, reverse=True)[:30]
-    return attention, [(e.key[:100], round(device_ms(e), 2), e.count) for e in top]
+    events = [e for e in prof.key_averages() if device_ms(e) > 0]
+    categories, examples = {}, {}
+    for e in events:
+        name = e.key.lower()
+        category = next((c for c, keys in KERNEL_CATEGORIES if any(k in name for k in keys)), "other")
+        categories[category] = categories.get(category, 0.0) + device_ms(e)
+        examples.setdefault(category, []).append((device_ms(e), e.key[:80], e.count))
+    busy = sum(categories.values())
+    return dict(
+        profiled_step_wall_ms=round(wall_ms, 1), gpu_kernel_ms=round(busy, 1),
+        kernel_ms_by_category={c: round(v, 1) for c, v in sorted(categories.items(), key=lambda kv: -kv[1])},
+        top_kernels_by_category={c: [(round(ms, 2), n, k) for ms, n, k in sorted(v, reverse=True)[:4]]
+                                 for c, v in examples.items()},
+        attention_kernels=sorted({e.key[:90] for e in events if any(
+            k in e.key.lower() for k in ("fmha", "flash", "attn", "attention", "cudnn", "sdpa"))}),
+    )
 
 
 def sdpa_bench(a) -> list[dict]:
@@ -312,7 +363,7 @@ def run_suite(a) -> int:
         if tag in a.skip:
             continue
         launch(tag, [sys.executable, os.path.abspath(__file__)] + common + flags.split()
-               + (["--profile"] if tag.startswith("dlm main (") else []))
+               + (["--profile"] if tag.startswith("dlm main (") or a.profile else []))
     table = format_table(results)
     print(table)
     with open(os.path.join(out, "train_throughput.md"), "w") as f:

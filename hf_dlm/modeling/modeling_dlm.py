@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 from transformers.utils import ModelOutput
 
 from .configuration_dlm import DLMConfig
+from .fused_linear import fused_linear, fusion_kind
 from .generation_dlm import DLMGenerationMixin
 from .loss import masked_lm_loss
 from .masks import build_attention_mask
@@ -70,7 +71,18 @@ class DLMRotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
-class DLMMLP(nn.Module):
+class _FusableProjections:
+    """Mixin: `fuse_projections()` runs the linears that share an input as one GEMM (`fused_linear`)."""
+
+    _fusion: str | None = None  # None: separate linears; "linear" / "float8": see fused_linear.fusion_kind
+
+    def fuse_projections(self, enabled: bool = True) -> str | None:
+        """Turn the fused GEMM on (when the linears allow it) or off; returns the fusion kind in use."""
+        self._fusion = fusion_kind(self._fusable_linears()) if enabled else None
+        return self._fusion
+
+
+class DLMMLP(_FusableProjections, nn.Module):
     def __init__(self, config: DLMConfig):
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
@@ -78,8 +90,15 @@ class DLMMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
+    def _fusable_linears(self):
+        return [self.gate_proj, self.up_proj]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        if self._fusion is not None:
+            gate, up = fused_linear(x, self._fusable_linears(), self._fusion)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -104,7 +123,7 @@ def sdpa_backend_context(backends: list[str], device: torch.device):
     return sdpa_kernel([names[b] for b in backends], set_priority=True)
 
 
-class DLMAttention(nn.Module):
+class DLMAttention(_FusableProjections, nn.Module):
     def __init__(self, config: DLMConfig, layer_idx: int):
         super().__init__()
         self.config = config
@@ -126,12 +145,19 @@ class DLMAttention(nn.Module):
             self.q_norm = DLMRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = DLMRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
+    def _fusable_linears(self):
+        return [self.q_proj, self.k_proj, self.v_proj]
+
     def forward(self, hidden_states, position_embeddings, attention_mask=None, kv_cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape)  # (B, L, nh, hd)
-        key = self.k_proj(hidden_states).view(hidden_shape)  # (B, L, nkv, hd)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, nkv, L, hd)
+        if self._fusion is not None:
+            query, key, value = fused_linear(hidden_states, self._fusable_linears(), self._fusion)
+        else:
+            query, key, value = (m(hidden_states) for m in self._fusable_linears())
+        query = query.view(hidden_shape)  # (B, L, nh, hd)
+        key = key.view(hidden_shape)  # (B, L, nkv, hd)
+        value = value.view(hidden_shape).transpose(1, 2)  # (B, nkv, L, hd)
         if self.config.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         cos, sin = position_embeddings
@@ -328,6 +354,8 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
     # run the masked head's chunks through torch.compile (set by `parallelize_dlm(compile=True)`)
     compile_loss_head: bool = False
+    # training: the head's gradients computed chunk by chunk in forward (`loss.weighted_linear_cross_entropy`)
+    loss_grad_in_forward: bool = True
 
     def __init__(self, config: DLMConfig):
         super().__init__(config)
@@ -384,7 +412,7 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
         if labels is not None:
             loss, num_loss_tokens = masked_lm_loss(
                 hidden_states, self.lm_head, labels, label_weights, num_items_in_batch, self.config.loss_chunk_size,
-                compiled=self.compile_loss_head,
+                compiled=self.compile_loss_head, grad_in_forward=self.loss_grad_in_forward,
             )
         if labels is None or return_logits:
             logits = self.lm_head(hidden_states)

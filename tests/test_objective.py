@@ -178,6 +178,24 @@ def test_elbo_of_a_uniform_model_is_log_vocab_and_seeded():
     assert a["nll_per_token"] == b["nll_per_token"]
 
 
+def test_elbo_of_packed_rows_keeps_documents_apart():
+    model = tiny_model("sdpa", seed=3)
+    ids = torch.randint(0, VOCAB - 1, (2, 16), generator=torch.Generator().manual_seed(0))
+    whole = torch.arange(16).expand(2, -1)  # one document per row: the same as no packing
+    plain = elbo_nll(model, ids, mc_num=3, seed=2)["per_sequence"]
+    torch.testing.assert_close(elbo_nll(model, ids, mc_num=3, seed=2, position_ids=whole)["per_sequence"], plain)
+    two_docs = torch.cat([torch.arange(6), torch.arange(10)]).expand(2, -1)
+    packed = elbo_nll(model, ids, mc_num=3, seed=2, position_ids=two_docs)["per_sequence"]
+    assert not torch.allclose(packed, plain)  # the documents no longer see each other
+    # what the bound sees: the second document's tokens do not reach the first one's logits
+    changed = ids.clone()
+    changed[:, 6:] = (changed[:, 6:] + 1) % (VOCAB - 1)
+    with torch.no_grad():
+        a = model.denoising_logits(ids, position_ids=two_docs)[:, :6]
+        b = model.denoising_logits(changed, position_ids=two_docs)[:, :6]
+    torch.testing.assert_close(a, b)
+
+
 def test_bad_options_name_the_field():
     with pytest.raises(ValueError, match="weighting"):
         _objective(weighting="sqrt")

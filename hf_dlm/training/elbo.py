@@ -23,10 +23,13 @@ def elbo_nll(
     mc_num: int = 16,
     seed: int = 0,
     batch_size: int = 32,
+    position_ids: torch.Tensor | None = None,
 ) -> dict:
     """Bound on the NLL of the scored tokens (real, non-prompt tokens) of every row.
 
-    input_ids (N, L). Returns {"nll_per_token": nats/token over all scored tokens, "perplexity_bound",
+    input_ids (N, L); position_ids (N, L): packed rows (positions restart at 0 for each document), passed
+    to the model so that attention stays inside each document, as in training; a packed row's bound is
+    then one on the joint NLL of its documents (the masked count is drawn over the whole row). Returns {"nll_per_token": nats/token over all scored tokens, "perplexity_bound",
     "num_tokens", "per_sequence": (N,) bound in nats}.
     """
     mask_id = model.config.mask_token_id
@@ -52,7 +55,10 @@ def elbo_nll(
             rank = keys.argsort(1).argsort(1)
             masked = scored & (rank < n_masked.unsqueeze(1))
             noisy = torch.where(masked, mask_id, ids)
-            logits = model.denoising_logits(noisy, attention_mask=None if attention_mask is None else valid.long())
+            logits = model.denoising_logits(
+                noisy, attention_mask=None if attention_mask is None else valid.long(),
+                position_ids=None if position_ids is None else position_ids[start : start + batch_size].to(device),
+            )
             ce = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")  # (B, L)
             estimate = (ce * masked).sum(1).double() * n_scored.double() / n_masked.double()
             bound += torch.where(n_scored > 0, estimate, 0.0) / mc_num

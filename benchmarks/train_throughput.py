@@ -48,12 +48,11 @@ SUITES = {
     },
     "tuning": {
         "dlm main (block compile, cudnn, masked head with gradients in forward, fused q/k/v and gate/up, fused AdamW)": "",
-        "Inductor coordinate-descent tuning": "--coordinate-descent",
         "dlm main + float8 tensorwise": "--float8 tensorwise --profile",
         "float8 tensorwise, separate projections (k/v stay bf16)": "--float8 tensorwise --no-fuse-projections",
-        "float8 tensorwise + coordinate-descent tuning": "--float8 tensorwise --coordinate-descent",
         "float8 rowwise": "--float8 rowwise",
-        "compile mode max-autotune-no-cudagraphs": "--compile-mode max-autotune-no-cudagraphs",
+        "Inductor coordinate-descent tuning": "--coordinate-descent",
+        "float8 tensorwise + coordinate-descent tuning": "--float8 tensorwise --coordinate-descent",
     },
     "levers": {
         "head: full vocabulary on every position": "--head full",

@@ -53,6 +53,7 @@ SUITES = {
         "float8 rowwise": "--float8 rowwise",
         "Inductor coordinate-descent tuning": "--coordinate-descent",
         "float8 tensorwise + coordinate-descent tuning": "--float8 tensorwise --coordinate-descent",
+        "float8 tensorwise, fast accumulation in backward GEMMs too": "--float8 tensorwise --float8-fast-accum",
     },
     "levers": {
         "head: full vocabulary on every position": "--head full",
@@ -100,6 +101,7 @@ def parse_args(argv=None):
                    help="keep the masked head's chunks (linear + cross-entropy) eager under --compile block")
     p.add_argument("--no-fused-optimizer", action="store_true", help="foreach AdamW instead of fused")
     p.add_argument("--float8", default=None, choices=["tensorwise", "rowwise"], help="torchao float8 recipe")
+    p.add_argument("--float8-fast-accum", action="store_true", help="fast accumulation in backward float8 GEMMs")
     p.add_argument("--float8-min-features", type=int, default=2048,
                    help="convert a linear to float8 only if its in and out features are both at least this")
     p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every decoder layer")
@@ -167,6 +169,7 @@ def run_one(a) -> dict:
     t_build = time.perf_counter()
     parallelize_dlm(model, float8_recipe=a.float8, activation_checkpointing=a.activation_checkpointing,
                     compile=a.compile == "block", float8_min_features=a.float8_min_features,
+                    float8_fast_accum=a.float8_fast_accum,
                     fuse_projections=not a.no_fuse_projections and a.compile != "none",
                     compile_options={"mode": a.compile_mode} if a.compile_mode else
                     {"options": {"coordinate_descent_tuning": True}} if a.coordinate_descent else None)

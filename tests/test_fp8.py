@@ -85,3 +85,14 @@ def test_transformer_engine_swap_keeps_outputs():
     assert all(isinstance(model.get_submodule(name), te.Linear) for name in names)
     with torch.no_grad(), fp8_autocast(enabled=False):
         torch.testing.assert_close(model.model(ids).last_hidden_state, reference, rtol=1e-4, atol=1e-4)
+
+
+@needs_torchao
+def test_fast_accumulation_reaches_the_backward_gemms():
+    model = _model()
+    convert_to_float8(model, recipe="tensorwise", min_features=64, fast_accum=True)
+    config = model.model.layers[0].mlp.up_proj.config
+    assert config.gemm_config_grad_input.use_fast_accum and config.gemm_config_grad_weight.use_fast_accum
+    default = _model()
+    convert_to_float8(default, recipe="tensorwise", min_features=64)
+    assert not default.model.layers[0].mlp.up_proj.config.gemm_config_grad_weight.use_fast_accum

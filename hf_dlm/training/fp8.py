@@ -18,6 +18,7 @@ it is tied to the input embedding in most DLMs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
@@ -61,6 +62,7 @@ def convert_to_float8(
     skip: Iterable[str] = DEFAULT_SKIP,
     backend: str = "torchao",
     fused_groups: bool = False,
+    fast_accum: bool = False,
 ) -> list[str]:
     """Swap `model`'s large linear layers for float8 training layers in place; returns their names.
 
@@ -69,6 +71,8 @@ def convert_to_float8(
     min_features: a linear is converted only if both its in and out features are at least this.
     skip: module names (any dotted part) never converted; `lm_head` by default.
     backend: "torchao" or "transformer_engine".
+    fast_accum: torchao: Hopper's fast float8 accumulation in the backward GEMMs too (torchao uses it for
+        the forward GEMM only by default): faster, with less precise gradient sums.
     fused_groups: judge linears that will run as one GEMM (q/k/v, gate/up: modules with
         `_fusable_linears`, see `hf_dlm.modeling.fused_linear`) as that one GEMM, and convert all or none
         of each group, so a fused group stays one float8 GEMM (k/v, too narrow alone, join q).
@@ -87,6 +91,11 @@ def convert_to_float8(
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         config = Float8LinearConfig.from_recipe_name(recipe)
+        if fast_accum:
+            from torchao.float8.config import Float8GemmConfig
+
+            config = dataclasses.replace(config, gemm_config_grad_input=Float8GemmConfig(use_fast_accum=True),
+                                         gemm_config_grad_weight=Float8GemmConfig(use_fast_accum=True))
         convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in chosen)
     elif backend == "transformer_engine":
         _swap_to_te_linear(model, selected)

@@ -39,6 +39,7 @@ def parallelize_dlm(
     fsdp: bool = False,
     float8_recipe: str | None = None,
     float8_min_features: int = 2048,
+    float8_fast_accum: bool = False,
     activation_checkpointing: bool = False,
     compile: bool = False,
     compile_options: dict | None = None,
@@ -58,6 +59,7 @@ def parallelize_dlm(
         layer, plus the root for embeddings, final norm and head). Implied by passing `dp_mesh`.
     float8_recipe: None (off), "tensorwise" or "rowwise": torchao float8 training for linears whose in
         and out features are both at least `float8_min_features` (`lm_head` never). Needs an sm_89+ GPU.
+        `float8_fast_accum`: fast accumulation in the backward GEMMs too (`fp8.convert_to_float8`).
     activation_checkpointing: recompute each decoder layer in backward (non-reentrant checkpoint).
     compile: `torch.compile` each decoder layer in place, and the masked head's loss chunks;
         `compile_options` go to the layers' `torch.compile` (e.g. `{"mode": "max-autotune-no-cudagraphs"}`).
@@ -86,7 +88,7 @@ def parallelize_dlm(
     #    (q/k/v, gate/up) is converted as the one GEMM it runs as
     if float8_recipe is not None:
         convert_to_float8(model, recipe=float8_recipe, min_features=float8_min_features,
-                          fused_groups=fuse_projections)
+                          fused_groups=fuse_projections, fast_accum=float8_fast_accum)
 
     # 2. tensor parallel over the decoder layers
     if tp_mesh is not None:

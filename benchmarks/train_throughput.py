@@ -55,6 +55,13 @@ SUITES = {
         "float8 tensorwise + coordinate-descent tuning": "--float8 tensorwise --coordinate-descent",
         "float8 tensorwise, fast accumulation in backward GEMMs too": "--float8 tensorwise --float8-fast-accum",
     },
+    "last2": {
+        "float8 tensorwise, fast accumulation in backward GEMMs too": "--float8 tensorwise --float8-fast-accum --no-fuse-projections",
+        "head: full vocabulary on every position": "--head full --no-fuse-projections",
+        "optimizer: foreach AdamW (not fused)": "--no-fused-optimizer --no-fuse-projections",
+        "compile scope: none (eager)": "--compile none",
+        "compile scope: whole step": "--compile step",
+    },
     "levers": {
         "head: full vocabulary on every position": "--head full",
         "compile scope: none (eager)": "--compile none",

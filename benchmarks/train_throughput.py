@@ -30,45 +30,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 # name -> command-line flags of one configuration; "main" is hf-dlm's recommended setup
+MAIN = "dlm main (block compile, cuDNN SDPA, masked head with gradients in forward, fused AdamW)"
 SUITES = {
     "core": {
-        "dlm main (block compile, cudnn, masked head with gradients in forward, fused q/k/v and gate/up, fused AdamW)": "",
-        "dlm main + float8 tensorwise": "--float8 tensorwise",
-        "dlm main, micro-batch 8": "--mbs 8",
-    },
-    "fusion": {
-        "dlm main (block compile, cudnn, masked head with gradients in forward, fused q/k/v and gate/up, fused AdamW)": "",
-        "projections: separate q/k/v and gate/up GEMMs": "--no-fuse-projections",
-        "head: logits recomputed in backward (checkpointed chunks)": "--head-recompute",
-        "previous main: separate projections, checkpointed head": "--no-fuse-projections --head-recompute",
-        "dlm main + float8 tensorwise": "--float8 tensorwise",
-        "float8 tensorwise, separate projections (k/v stay bf16)": "--float8 tensorwise --no-fuse-projections",
-        "float8 rowwise": "--float8 rowwise",
-        "attention: flash": "--attn flash",
-    },
-    "tuning": {
-        "dlm main (block compile, cudnn, masked head with gradients in forward, fused q/k/v and gate/up, fused AdamW)": "",
+        MAIN: "",
         "dlm main + float8 tensorwise": "--float8 tensorwise --profile",
-        "float8 tensorwise, separate projections (k/v stay bf16)": "--float8 tensorwise --no-fuse-projections",
-        "float8 rowwise": "--float8 rowwise",
-        "Inductor coordinate-descent tuning": "--coordinate-descent",
-        "float8 tensorwise + coordinate-descent tuning": "--float8 tensorwise --coordinate-descent",
-        "float8 tensorwise, fast accumulation in backward GEMMs too": "--float8 tensorwise --float8-fast-accum",
-    },
-    "last2": {
-        "float8 tensorwise, fast accumulation in backward GEMMs too": "--float8 tensorwise --float8-fast-accum --no-fuse-projections",
-        "head: full vocabulary on every position": "--head full --no-fuse-projections",
-        "optimizer: foreach AdamW (not fused)": "--no-fused-optimizer --no-fuse-projections",
-        "compile scope: none (eager)": "--compile none",
-        "compile scope: whole step": "--compile step",
+        "dlm main + float8 tensorwise, fast accumulation in backward GEMMs too": "--float8 tensorwise --float8-fast-accum",
+        "dlm main, micro-batch 8": "--mbs 8",
     },
     "levers": {
+        "attention: flash": "--attn flash",
         "head: full vocabulary on every position": "--head full",
-        "compile scope: none (eager)": "--compile none",
-        "compile scope: whole step": "--compile step",
+        "head: logits recomputed in backward (checkpointed chunks)": "--head-recompute",
         "optimizer: foreach AdamW (not fused)": "--no-fused-optimizer",
+        "float8 rowwise": "--float8 rowwise",
+        "Inductor coordinate-descent tuning": "--coordinate-descent",
+        "compile scope: none (eager)": "--compile none",
         "activation checkpointing, micro-batch 8": "--activation-checkpointing --mbs 8",
-        "dlm main, micro-batch 8": "--mbs 8",
+        "compile scope: whole step": "--compile step",
     },
 }
 SUITES["all"] = {**SUITES["core"], **SUITES["levers"]}
@@ -99,8 +78,6 @@ def parse_args(argv=None):
                    help="torch.compile mode for the blocks, e.g. max-autotune-no-cudagraphs (default: Inductor's)")
     p.add_argument("--coordinate-descent", action="store_true",
                    help="Inductor coordinate_descent_tuning for the blocks' generated kernels")
-    p.add_argument("--no-fuse-projections", action="store_true",
-                   help="separate q/k/v and gate/up GEMMs (parallelize_dlm(fuse_projections=False))")
     p.add_argument("--head-recompute", action="store_true",
                    help="the masked head's chunks checkpointed (logits recomputed in backward) instead of "
                         "computing the head's gradients in forward")
@@ -177,7 +154,6 @@ def run_one(a) -> dict:
     parallelize_dlm(model, float8_recipe=a.float8, activation_checkpointing=a.activation_checkpointing,
                     compile=a.compile == "block", float8_min_features=a.float8_min_features,
                     float8_fast_accum=a.float8_fast_accum,
-                    fuse_projections=not a.no_fuse_projections and a.compile != "none",
                     compile_options={"mode": a.compile_mode} if a.compile_mode else
                     {"options": {"coordinate_descent_tuning": True}} if a.coordinate_descent else None)
     if a.no_compile_loss:
@@ -372,7 +348,7 @@ def run_suite(a) -> int:
         if tag in a.skip:
             continue
         launch(tag, [sys.executable, os.path.abspath(__file__)] + common + flags.split()
-               + (["--profile"] if tag.startswith("dlm main (") or a.profile else []))
+               + (["--profile"] if tag == MAIN or a.profile else []))
     table = format_table(results)
     print(table)
     with open(os.path.join(out, "train_throughput.md"), "w") as f:

@@ -61,15 +61,12 @@ def _worker(rank, world_size, init_file, out_file):
     # the full stack in torchtitan's order: checkpointing, per-block compile, then FSDP2
     model = parallelize_dlm(tiny_model("sdpa").train(), dp_mesh=mesh, activation_checkpointing=True, compile=True,
                             compile_options={"backend": "aot_eager"})
-    assert model.model.layers[0].self_attn._fusion == model.model.layers[0].mlp._fusion == "linear"
     losses, grads = _train(model, rows)
     for loss in losses:
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
     results["fsdp+checkpointing+compile"] = (losses, grads)
     # tensor parallel: every rank sees the whole batch, each holds half of the heads and MLP columns
-    model = parallelize_dlm(tiny_model("sdpa").train(), tp_mesh=mesh, compile=True,
-                            compile_options={"backend": "aot_eager"})
-    assert model.model.layers[0].self_attn._fusion is None  # DTensor shards: separate projections
+    model = parallelize_dlm(tiny_model("sdpa").train(), tp_mesh=mesh)
     results["tp"] = _train(model)
     if rank == 0:
         torch.save(results, out_file)

@@ -191,4 +191,6 @@ def test_compile_blocks_and_fp8_recipe_go_through_parallelize(tmp_path, monkeypa
     calls = []
     monkeypatch.setattr(parallelize, "parallelize_dlm", lambda model, **kw: calls.append(kw) or model)
     make_trainer(tmp_path / "fp8", fp8_recipe="rowwise")
-    assert calls == [{"float8_recipe": "rowwise", "compile": False}]
+    make_trainer(tmp_path / "fp8-fast", fp8_recipe="tensorwise", fp8_fast_accum=True)
+    assert calls == [{"float8_recipe": "rowwise", "float8_fast_accum": False, "compile": False},
+                     {"float8_recipe": "tensorwise", "float8_fast_accum": True, "compile": False}]

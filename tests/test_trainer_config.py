@@ -16,7 +16,8 @@ TINY = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
 @pytest.mark.parametrize("field,value", [("objective_preset", "bert"), ("schedule", "square"), ("weighting", "1/t2"),
                                          ("t_sampling", "sobol"), ("normalization", "rows"), ("eps", 1.0),
                                          ("random_length_prob", 1.5), ("peak_flops", 0.0), ("t_buckets", -1),
-                                         ("eval_mc_num", 0), ("fp8_recipe", "mxfp8-ish")])
+                                         ("eval_mc_num", 0), ("fp8_recipe", "mxfp8-ish"),
+                                         ("fp8_fast_accum", True)])
 def test_bad_argument_values_name_the_field(tmp_path, field, value):
     with pytest.raises(ValueError, match=f"DLMTrainingArguments.{field} must be"):
         DLMTrainingArguments(output_dir=str(tmp_path), **{field: value})

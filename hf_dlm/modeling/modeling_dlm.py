@@ -19,7 +19,6 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 from transformers.utils import ModelOutput
 
 from .configuration_dlm import DLMConfig
-from .fused_linear import fused_linear, fusion_kind
 from .generation_dlm import DLMGenerationMixin
 from .loss import masked_lm_loss
 from .masks import build_attention_mask
@@ -71,18 +70,7 @@ class DLMRotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
-class _FusableProjections:
-    """Mixin: `fuse_projections()` runs the linears that share an input as one GEMM (`fused_linear`)."""
-
-    _fusion: str | None = None  # None: separate linears; "linear" / "float8": see fused_linear.fusion_kind
-
-    def fuse_projections(self, enabled: bool = True) -> str | None:
-        """Turn the fused GEMM on (when the linears allow it) or off; returns the fusion kind in use."""
-        self._fusion = fusion_kind(self._fusable_linears()) if enabled else None
-        return self._fusion
-
-
-class DLMMLP(_FusableProjections, nn.Module):
+class DLMMLP(nn.Module):
     def __init__(self, config: DLMConfig):
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
@@ -90,15 +78,8 @@ class DLMMLP(_FusableProjections, nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
-    def _fusable_linears(self):
-        return [self.gate_proj, self.up_proj]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fusion is not None:
-            gate, up = fused_linear(x, self._fusable_linears(), self._fusion)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act_fn(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -123,7 +104,7 @@ def sdpa_backend_context(backends: list[str], device: torch.device):
     return sdpa_kernel([names[b] for b in backends], set_priority=True)
 
 
-class DLMAttention(_FusableProjections, nn.Module):
+class DLMAttention(nn.Module):
     def __init__(self, config: DLMConfig, layer_idx: int):
         super().__init__()
         self.config = config
@@ -145,19 +126,12 @@ class DLMAttention(_FusableProjections, nn.Module):
             self.q_norm = DLMRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = DLMRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def _fusable_linears(self):
-        return [self.q_proj, self.k_proj, self.v_proj]
-
     def forward(self, hidden_states, position_embeddings, attention_mask=None, kv_cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        if self._fusion is not None:
-            query, key, value = fused_linear(hidden_states, self._fusable_linears(), self._fusion)
-        else:
-            query, key, value = (m(hidden_states) for m in self._fusable_linears())
-        query = query.view(hidden_shape)  # (B, L, nh, hd)
-        key = key.view(hidden_shape)  # (B, L, nkv, hd)
-        value = value.view(hidden_shape).transpose(1, 2)  # (B, nkv, L, hd)
+        query = self.q_proj(hidden_states).view(hidden_shape)  # (B, L, nh, hd)
+        key = self.k_proj(hidden_states).view(hidden_shape)  # (B, L, nkv, hd)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, nkv, L, hd)
         if self.config.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         cos, sin = position_embeddings

@@ -30,14 +30,6 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise")
 DEFAULT_SKIP = ("lm_head",)
 
 
-def _passes(name: str, in_features: int, out_features: int, min_features: int, skip: tuple) -> bool:
-    if any(part in skip for part in name.split(".")):
-        return False
-    if in_features % 16 or out_features % 16:
-        return False
-    return min(in_features, out_features) >= min_features
-
-
 def float8_module_filter(
     min_features: int = 2048, skip: Iterable[str] = DEFAULT_SKIP
 ) -> Callable[[nn.Module, str], bool]:
@@ -49,8 +41,12 @@ def float8_module_filter(
     def module_filter(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear):
             return False
+        if any(part in skip for part in fqn.split(".")):
+            return False
         out_features, in_features = module.weight.shape
-        return _passes(fqn, in_features, out_features, min_features, skip)
+        if in_features % 16 or out_features % 16:
+            return False
+        return min(in_features, out_features) >= min_features
 
     return module_filter
 
@@ -61,7 +57,6 @@ def convert_to_float8(
     min_features: int = 2048,
     skip: Iterable[str] = DEFAULT_SKIP,
     backend: str = "torchao",
-    fused_groups: bool = False,
     fast_accum: bool = False,
 ) -> list[str]:
     """Swap `model`'s large linear layers for float8 training layers in place; returns their names.
@@ -73,17 +68,11 @@ def convert_to_float8(
     backend: "torchao" or "transformer_engine".
     fast_accum: torchao: Hopper's fast float8 accumulation in the backward GEMMs too (torchao uses it for
         the forward GEMM only by default): faster, with less precise gradient sums.
-    fused_groups: judge linears that will run as one GEMM (q/k/v, gate/up: modules with
-        `_fusable_linears`, see `hf_dlm.modeling.fused_linear`) as that one GEMM, and convert all or none
-        of each group, so a fused group stays one float8 GEMM (k/v, too narrow alone, join q).
     Call it before tensor parallel and FSDP (`parallelize_dlm` does). Float8 GEMMs need a GPU of
     compute capability 8.9 or newer (H100, H200, L40S, B200); on others the swapped layers fail at forward.
     """
     module_filter = float8_module_filter(min_features, skip)
     selected = [name for name, module in model.named_modules() if module_filter(module, name)]
-    if fused_groups:
-        selected = _with_fused_groups(model, selected, min_features, tuple(skip))
-    chosen = set(selected)
     if backend == "torchao":
         if recipe not in FLOAT8_RECIPES:
             raise ValueError(f"float8 recipe {recipe!r} is not one of {FLOAT8_RECIPES}")
@@ -96,30 +85,12 @@ def convert_to_float8(
 
             config = dataclasses.replace(config, gemm_config_grad_input=Float8GemmConfig(use_fast_accum=True),
                                          gemm_config_grad_weight=Float8GemmConfig(use_fast_accum=True))
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in chosen)
+        convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
     elif backend == "transformer_engine":
         _swap_to_te_linear(model, selected)
     else:
         raise ValueError(f"float8 backend {backend!r} is not one of ('torchao', 'transformer_engine')")
     return selected
-
-
-def _with_fused_groups(model: nn.Module, selected: list[str], min_features: int, skip: tuple) -> list[str]:
-    """`selected` with every fusable group decided as a whole: in if the concatenated linear passes."""
-    chosen = set(selected)
-    for parent_name, parent in model.named_modules():
-        if not hasattr(parent, "_fusable_linears"):
-            continue
-        linears = parent._fusable_linears()
-        child_names = {id(module): name for name, module in parent.named_children()}
-        names = [".".join(filter(None, (parent_name, child_names[id(m)]))) for m in linears]
-        whole = (
-            all(type(m) is nn.Linear and m.in_features == linears[0].in_features for m in linears)
-            and all(_passes(name, m.in_features, m.out_features, 0, skip) for m, name in zip(linears, names))
-            and _passes(names[0], linears[0].in_features, sum(m.out_features for m in linears), min_features, skip)
-        )
-        (chosen.update if whole else chosen.difference_update)(names)
-    return [name for name, _ in model.named_modules() if name in chosen]
 
 
 def _swap_to_te_linear(model: nn.Module, names: list[str]) -> None:

@@ -2,7 +2,6 @@
 
 1. float8 conversion (a converter: it swaps modules, so it must see the unsharded model);
 2. tensor parallel (DTensor `parallelize_module` with the config's `base_model_tp_plan`);
-   then fused projections (q/k/v and gate/up as one GEMM each where the linears allow it);
 3. activation checkpointing, one checkpoint per decoder layer;
 4. per-block `torch.compile` (regional compilation: identical decoder layers reuse one compiled graph,
    so 28 layers compile about as fast as one);
@@ -43,7 +42,6 @@ def parallelize_dlm(
     activation_checkpointing: bool = False,
     compile: bool = False,
     compile_options: dict | None = None,
-    fuse_projections: bool | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
@@ -63,9 +61,6 @@ def parallelize_dlm(
     activation_checkpointing: recompute each decoder layer in backward (non-reentrant checkpoint).
     compile: `torch.compile` each decoder layer in place, and the masked head's loss chunks;
         `compile_options` go to the layers' `torch.compile` (e.g. `{"mode": "max-autotune-no-cudagraphs"}`).
-    fuse_projections: run q/k/v and gate/up as one GEMM each (`hf_dlm.modeling.fused_linear`; parameter
-        names unchanged). Default: on with `compile` (the weight concatenation then fuses with the bf16
-        cast; eager, it would be an extra copy of the weights per forward). Not under tensor parallel.
     param_dtype / reduce_dtype: FSDP2 `MixedPrecisionPolicy`: the dtype parameters are all-gathered and
         computed in (None: as stored), and the gradient reduce-scatter dtype (fp32 by default).
     reshard_after_forward: FSDP2: free gathered parameters after forward (ZeRO-3) rather than keep them
@@ -80,23 +75,14 @@ def parallelize_dlm(
             "which is not built yet; use tensor parallel or FSDP"
         )
 
-    if fuse_projections is None:
-        fuse_projections = compile
-    fuse_projections = fuse_projections and tp_mesh is None
-
-    # 1. float8: before sharding, so FSDP2 / DTensor wrap the float8 modules' weights; a fused group
-    #    (q/k/v, gate/up) is converted as the one GEMM it runs as
+    # 1. float8: before sharding, so FSDP2 / DTensor wrap the float8 modules' weights
     if float8_recipe is not None:
         convert_to_float8(model, recipe=float8_recipe, min_features=float8_min_features,
-                          fused_groups=fuse_projections, fast_accum=float8_fast_accum)
+                          fast_accum=float8_fast_accum)
 
     # 2. tensor parallel over the decoder layers
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh)
-
-    for module in model.modules():
-        if hasattr(module, "_fusable_linears"):
-            module.fuse_projections(fuse_projections)
 
     # 3. activation checkpointing through the layers' own GradientCheckpointingLayer hook, so that
     #    parameter names stay as saved (a checkpoint_wrapper would insert `_checkpoint_wrapped_module.`)

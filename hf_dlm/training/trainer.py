@@ -63,7 +63,8 @@ class DLMTrainer(Trainer):
             # before accelerate wraps the model (DDP / FSDP2): torchtitan's order, float8 then compile
             from .parallelize import parallelize_dlm
 
-            parallelize_dlm(model, float8_recipe=args.fp8_recipe, compile=args.compile_blocks)
+            parallelize_dlm(model, float8_recipe=args.fp8_recipe, float8_fast_accum=args.fp8_fast_accum,
+                            compile=args.compile_blocks)
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)
         self.objective = objective if objective is not None else args.build_objective(model.config)

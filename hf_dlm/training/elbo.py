@@ -29,8 +29,9 @@ def elbo_nll(
 
     input_ids (N, L); position_ids (N, L): packed rows (positions restart at 0 for each document), passed
     to the model so that attention stays inside each document, as in training; a packed row's bound is
-    then one on the joint NLL of its documents (the masked count is drawn over the whole row). Returns {"nll_per_token": nats/token over all scored tokens, "perplexity_bound",
-    "num_tokens", "per_sequence": (N,) bound in nats}.
+    then one on the joint NLL of its documents (the masked count is drawn over the whole row).
+    Returns {"nll_per_token": nats/token over all scored tokens, "perplexity_bound", "num_tokens",
+    "per_sequence": (N,) bound in nats}.
     """
     mask_id = model.config.mask_token_id
     device = next(model.parameters()).device

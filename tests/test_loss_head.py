@@ -87,3 +87,14 @@ def test_model_head_paths_agree_and_feed_label_weight_gradients():
     assert (wgrad_a[labels == -100] == 0).all() and (wgrad_a[labels != -100] > 0).all()
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_frozen_head_weight_gets_no_gradient_and_hidden_gradient_is_unchanged():
+    h, w, b, labels, scale = _head_inputs()
+    expected = torch.autograd.grad(_reference(h, w, b, labels, scale), h)[0]
+    frozen_w, frozen_b = w.detach(), b.detach()  # a frozen head (LoRA): no weight or bias gradient wanted
+    loss = weighted_linear_cross_entropy(h, frozen_w, labels, scale.detach(), frozen_b, chunk_size=4)
+    assert loss.grad_fn is not None and "LinearCrossEntropy" in type(loss.grad_fn).__name__
+    saved = [t for t in loss.grad_fn.saved_tensors if t is not None]
+    assert all(t.shape != frozen_w.shape for t in saved)  # no vocabulary x hidden gradient was computed
+    torch.testing.assert_close(torch.autograd.grad(loss, h)[0], expected, rtol=1e-5, atol=1e-6)

@@ -67,26 +67,29 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, scale, chunk_size, compiled):
         dtype = _compute_dtype(hidden, weight)
         softmax_grad = _maybe_compiled(_cross_entropy_and_logit_grad, compiled)
+        # only the gradients autograd asks for (a frozen head, e.g. under LoRA, skips its weight GEMM)
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         with torch.autocast(hidden.device.type, enabled=False):
             h_all, w = hidden.to(dtype), weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
             scale32 = scale.float()
             ce = torch.empty(h_all.shape[0], dtype=torch.float32, device=hidden.device)
-            grad_hidden = torch.empty_like(h_all)
+            grad_hidden = torch.empty_like(h_all) if needs_hidden else None
             # the weight gradient accumulates in the compute dtype (fp32 inside each GEMM): an fp32
             # buffer would hold 1.2 GiB more (Qwen3's vocabulary) at the memory peak, the end of forward
             grad_weight = None
-            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None else None
+            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias else None
             for start in range(0, h_all.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
                 h = h_all[rows]
                 ce[rows], grad_logits = softmax_grad(F.linear(h, w, b), labels[rows], scale32[rows])
-                torch.mm(grad_logits, w, out=grad_hidden[rows])
-                if grad_weight is None:
+                if needs_hidden:
+                    torch.mm(grad_logits, w, out=grad_hidden[rows])
+                if needs_weight and grad_weight is None:
                     grad_weight = grad_logits.t() @ h
-                else:
+                elif needs_weight:
                     grad_weight.addmm_(grad_logits.t(), h)
-                if grad_bias is not None:
+                if needs_bias:
                     grad_bias += grad_logits.float().sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, ce)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None, scale.dtype)
@@ -97,9 +100,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias, ce = ctx.saved_tensors
         hidden_dtype, weight_dtype, bias_dtype, scale_dtype = ctx.dtypes
         return (
-            grad_hidden.to(hidden_dtype) * grad_output if ctx.needs_input_grad[0] else None,
-            grad_weight.to(weight_dtype) * grad_output if ctx.needs_input_grad[1] else None,
-            grad_bias.to(bias_dtype) * grad_output if grad_bias is not None and ctx.needs_input_grad[2] else None,
+            grad_hidden.to(hidden_dtype) * grad_output if grad_hidden is not None else None,
+            grad_weight.to(weight_dtype) * grad_output if grad_weight is not None else None,
+            grad_bias.to(bias_dtype) * grad_output if grad_bias is not None else None,
             None,
             (ce * grad_output).to(scale_dtype) if ctx.needs_input_grad[4] else None,
             None,

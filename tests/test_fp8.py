@@ -4,7 +4,7 @@ recipe reaches torchao, and the converted model still trains to about the same l
 import pytest
 import torch
 
-from hf_dlm.training.fp8 import TRANSFORMER_ENGINE_AVAILABLE, convert_to_float8, float8_module_filter
+from hf_dlm.training.fp8 import FLOAT8_RECIPES, TRANSFORMER_ENGINE_AVAILABLE, convert_to_float8, float8_module_filter
 from hf_dlm.training.parallelize import parallelize_dlm
 from hf_dlm.utils.import_utils import is_torchao_available
 from tests.conftest import VOCAB, tiny_model
@@ -28,7 +28,7 @@ def test_module_filter_skips_small_head_and_odd_dims():
 
 
 @needs_torchao
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", FLOAT8_RECIPES)
 def test_torchao_swaps_the_large_linears(recipe):
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear

@@ -52,6 +52,12 @@ def test_preprocessed_indexed_files_train_and_checkpoint_their_position(tmp_path
     assert metrics["train_loss"] > 0 and metrics["eval_nll_per_token"] > 0
     state = torch.load(tmp_path / "out" / "checkpoint-4" / "data_state_rank0.pt", weights_only=False)
     assert state == {"consumed_samples": 16}  # 4 steps of 4 windows
+    # evaluation windows keep their documents' positions, so the ELBO attends like training
+    from hf_dlm.training.datasets import PackedDataset
+
+    eval_set = build_trainer(load_config(_config(tmp_path, data)))[0].eval_dataset
+    assert len(eval_set) == 4
+    torch.testing.assert_close(eval_set[3]["position_ids"], PackedDataset(str(tmp_path / "heldout"), 32)[3]["position_ids"])
 
 
 def test_sft_chat_jsonl_trains_without_supervising_the_prompt(tmp_path, tokenizer_dir):

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..utils.import_utils import is_transformer_engine_available, require
 
-FLOAT8_RECIPES = ("tensorwise", "rowwise")
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao recipe names
 DEFAULT_SKIP = ("lm_head",)
 
 
@@ -61,8 +61,8 @@ def convert_to_float8(
 ) -> list[str]:
     """Swap `model`'s large linear layers for float8 training layers in place; returns their names.
 
-    recipe: torchao scaling recipe, "tensorwise" (one scale per tensor, fastest) or "rowwise" (one per
-        row, more accurate). Ignored by the Transformer Engine backend (its recipe goes to `fp8_autocast`).
+    recipe: torchao scaling recipe, "tensorwise" (one scale per tensor, fastest), "rowwise" (one per
+        row, more accurate) or "rowwise_with_gw_hp" (rowwise, weight gradient in high precision). Ignored by the Transformer Engine backend (its recipe goes to `fp8_autocast`).
     min_features: a linear is converted only if both its in and out features are at least this.
     skip: module names (any dotted part) never converted; `lm_head` by default.
     backend: "torchao" or "transformer_engine".

@@ -74,9 +74,10 @@ def _corpus_data(options: dict, model_options: dict) -> dict:
     eval_windows = options.get("eval_windows", 32)
     model_options.update(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    position_ids = train_positions if options.get("packed_positions", True) else None
-    return {"train": TokenWindowDataset(train_ids, position_ids),
-            "eval": TokenWindowDataset(eval_ids[:eval_windows]) if eval_windows else None,
+    packed = options.get("packed_positions", True)  # evaluation attends like training
+    return {"train": TokenWindowDataset(train_ids, train_positions if packed else None),
+            "eval": TokenWindowDataset(eval_ids[:eval_windows], eval_positions[:eval_windows] if packed else None)
+            if eval_windows else None,
             "tokenizer": tokenizer}
 
 
@@ -119,8 +120,9 @@ def _indexed_data(options: dict, model_options: dict) -> dict:
     """Megatron indexed files (`hf-dlm preprocess`): packed windows, blended by weight, shuffled per epoch,
     endless (stop with training.max_steps). accelerate shards the stream over ranks; its position is saved
     in every checkpoint."""
+    from torch.utils.data import Subset
+
     from .datasets import PackedDataset, build_pretraining_dataset
-    from .memory_dataset import TokenWindowDataset
 
     prefixes = options.get("prefixes")
     if isinstance(prefixes, str):
@@ -134,9 +136,8 @@ def _indexed_data(options: dict, model_options: dict) -> dict:
                                           seed=options.get("seed", 0), num_epochs=None)
         eval_set = None
         if options.get("eval_prefix"):
-            packed = PackedDataset(options["eval_prefix"], seq_len)
-            rows = [packed[i] for i in range(min(len(packed), options.get("eval_windows", 32)))]
-            eval_set = TokenWindowDataset(torch.stack([r["input_ids"] for r in rows]))
+            packed = PackedDataset(options["eval_prefix"], seq_len)  # windows with their documents' positions
+            eval_set = Subset(packed, range(min(len(packed), options.get("eval_windows", 32))))
     except (OSError, ValueError) as error:
         raise ConfigError(f"data: {error}") from None
     return {"train": train, "eval": eval_set, "tokenizer": tokenizer}

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .fp8 import FLOAT8_RECIPES as FP8_RECIPES
 from .objective import NORMALIZATIONS, PRESETS, SCHEDULES, T_SAMPLINGS, WEIGHTINGS, MaskedDiffusionObjective
-
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclass

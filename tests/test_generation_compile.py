@@ -37,6 +37,20 @@ def test_traced_static_sampler_equals_eager_on_a_mixed_length_batch(cache, thres
     assert len(traced.forward_batch_sizes) == len(eager.forward_batch_sizes)
 
 
+def test_prefix_cache_with_many_blocks_stays_compiled():
+    # one graph per block (the prefix cache's query width changes): 12 blocks pass Dynamo's default
+    # limit of 8 graphs, after which it would silently fall back to eager
+    from torch._dynamo.utils import counters
+
+    model = confident_model()
+    _, input_ids, attention_mask = left_padded([5, 9])
+    options = dict(max_new_tokens=48, block_length=4, steps=48, temperature=0.0, cache="prefix", threshold=0.5)
+    counters.clear()
+    traced = model.generate(input_ids, attention_mask=attention_mask, compile="eager", **options)
+    assert counters["stats"]["unique_graphs"] > 8 and counters["frames"]["total"] == counters["frames"]["ok"]
+    assert torch.equal(traced, model.generate(input_ids, attention_mask=attention_mask, **options))
+
+
 def test_block_attention_model_compiles_uncached_and_rejects_its_exact_cache():
     model = confident_model(mode="block")
     _, input_ids, attention_mask = left_padded([6, 2, 4], seed=3)

@@ -38,6 +38,11 @@ COMPILE_CHOICES = {
 }
 
 
+# graphs `static_forward` may hold (Dynamo's recompile limit while the sampler calls it): one per static
+# shape, i.e. per batch size, canvas length and, with the prefix cache, per block of a generation
+MAX_COMPILED_GRAPHS = 256
+
+
 def resolve_compile(value, device: torch.device) -> str | None:
     """The `compile` field -> a key of COMPILE_CHOICES or None (eager)."""
     if value is None or value is False:
@@ -101,11 +106,12 @@ _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model ->
 
 def compiled_forward(model, choice: str):
     """`static_forward` compiled with COMPILE_CHOICES[choice], kept per model (weakly: not an attribute,
-    so copying or saving the model never meets it) so that later `generate` calls reuse its graphs."""
+    so copying or saving the model never meets it). Dynamo keeps the graphs on `static_forward` itself,
+    so later calls reuse them whichever wrapper calls."""
     store = _COMPILED.setdefault(model, {})
     if choice not in store:
         store[choice] = torch.compile(static_forward, dynamic=False, **COMPILE_CHOICES[choice])
     return store[choice]
 
 
-__all__ = ["COMPILE_CHOICES", "compiled_forward", "resolve_compile", "static_forward"]
+__all__ = ["COMPILE_CHOICES", "MAX_COMPILED_GRAPHS", "compiled_forward", "resolve_compile", "static_forward"]

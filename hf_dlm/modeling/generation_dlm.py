@@ -38,7 +38,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from .generation_cache import DLMKVCache
-from .generation_compile import compiled_forward, resolve_compile
+from .generation_compile import MAX_COMPILED_GRAPHS, compiled_forward, resolve_compile
 from .generation_config import DLMGenerationConfig
 from .generation_sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
                                   num_transfer_tokens, select_commits)
@@ -133,7 +133,10 @@ class DiffusionSampler:
     def _call_compiled(self, *args, **kwargs):
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        return self.compiled(*args, **kwargs)
+        # every static shape (batch, canvas, each prefix-cache block) is one graph of the same function:
+        # past Dynamo's default limit of 8 it would silently run eager
+        with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_GRAPHS):
+            return self.compiled(*args, **kwargs)
 
     def _logits(self, canvas, rows, window, query, key_end, store):
         """Guided logits (b, W, V) for the canvas positions `window` of the rows `rows` (None: all)."""

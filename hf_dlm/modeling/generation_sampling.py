@@ -43,12 +43,15 @@ def confidence_scores(logits: torch.Tensor, x0: torch.Tensor, remasking: str, ge
     unfiltered, un-noised logits in float64, as in LLaDA."""
     if remasking == "random":
         return torch.rand(x0.shape, device=x0.device, generator=generator, dtype=torch.float64)
-    log_p = logits.to(torch.float64).log_softmax(-1)
+    # log p = logit - logsumexp: one vocabulary-sized float64 tensor, not two (the upcast and log_softmax)
+    logits = logits.to(torch.float64)
+    lse = logits.logsumexp(-1)
     if remasking == "low_confidence":
-        return log_p.gather(-1, x0.unsqueeze(-1)).squeeze(-1).exp()
+        return (logits.gather(-1, x0.unsqueeze(-1)).squeeze(-1) - lse).exp()
     if remasking == "margin":  # top-1 minus top-2 probability
-        top2 = log_p.topk(2, dim=-1).values.exp()
+        top2 = (logits.topk(2, dim=-1).values - lse.unsqueeze(-1)).exp()
         return top2[..., 0] - top2[..., 1]
+    log_p = logits - lse.unsqueeze(-1)
     return (log_p.exp() * log_p).sum(-1)  # "entropy": minus the entropy, so low entropy commits first
 
 

@@ -358,6 +358,24 @@ def test_foreign_megatron_args_are_read(tmp_path):
         torch.testing.assert_close(back(input_ids=ids).logits, model(input_ids=ids).logits, atol=0, rtol=0)
 
 
+def test_unknown_target_is_refused_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="unknown target"):
+        convert_checkpoint("llama", tmp_path / "no-such-source", tmp_path / "out", to="gguf")
+    assert not (tmp_path / "out").exists()
+
+
+def test_megatron_refuses_bias_layouts_it_cannot_hold(tmp_path):
+    from hf_dlm.conversion.megatron import megatron_args, save_megatron_checkpoint
+
+    with pytest.raises(ValueError, match="add_bias_linear"):
+        save_megatron_checkpoint(tiny_model(attention_bias=True), tmp_path / "mega")
+    assert not (tmp_path / "mega").exists()  # refused before anything is written
+    both = megatron_args(tiny_model(attention_bias=True, mlp_bias=True).config)
+    assert both.add_bias_linear and both.add_qkv_bias
+    qkv_only = megatron_args(tiny_model(qkv_bias=True).config)
+    assert qkv_only.add_qkv_bias and not qkv_only.add_bias_linear
+
+
 # ---- verify ----
 
 def test_verify_passes_then_fails_on_corrupted_weight(tmp_path, capsys):

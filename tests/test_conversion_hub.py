@@ -138,6 +138,12 @@ def test_prepare_folder_and_push_with_mocked_hub(tmp_path, monkeypatch):
     (_, repo, create_kwargs), (_, _, files, meta, _, upload_kwargs) = calls
     assert repo == "user/cli" and create_kwargs["private"] is True and meta["base_model"] == "org/base"
     assert "modeling_dlm.py" in files and "--from dlm" in upload_kwargs["commit_message"]
+    # a Megatron target cannot be pushed: refused before any conversion work or output folder
+    import pytest
+
+    with pytest.raises(SystemExit, match="push-to-hub"):
+        cli_main(["convert", "--to", "megatron", str(folder), str(tmp_path / "mega"), "--push-to-hub", "user/m"])
+    assert not (tmp_path / "mega").exists()
 
 
 def test_failed_export_keeps_the_checkpoint_and_warns(tmp_path, monkeypatch):

@@ -36,14 +36,14 @@ def run(args) -> int:
     family = args.family or ("dlm" if args.to == "megatron" else None)
     if family is None:
         raise SystemExit("hf-dlm convert: --from is required (llama, qwen2, qwen3, mistral, llada, dream, megatron, dlm)")
+    if args.push_to_hub and args.to != "dlm":  # before minutes of conversion
+        raise SystemExit("hf-dlm convert: --push-to-hub uploads hf-dlm folders only (not --to megatron)")
     options = ConversionOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ConversionOptions)})
     if args.keep_causal:
         options.attention_mode = "causal"
     destination = convert_checkpoint(family, args.source, args.destination, options, to=args.to, overwrite=args.overwrite)
     print(f"converted {family} checkpoint {args.source} -> {args.to} checkpoint {destination}")
     if args.push_to_hub:
-        if args.to != "dlm":
-            raise SystemExit("hf-dlm convert: --push-to-hub uploads hf-dlm folders only (not --to megatron)")
         from ..conversion.hub import upload_folder
 
         upload_folder(destination, args.push_to_hub, private=args.private or None,

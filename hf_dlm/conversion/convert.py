@@ -202,6 +202,8 @@ def convert_checkpoint(
     or a Megatron checkpoint (`to="megatron"`)."""
     from .model_card import write_info, write_model_card
 
+    if to not in ("dlm", "megatron"):  # before minutes of loading
+        raise ValueError(f"unknown target {to!r}; choose 'dlm' or 'megatron'")
     options = options or ConversionOptions()
     destination = Path(destination)
     model, tokenizer, copy_tokenizer_from, record = load_as_dlm(family, source, options)
@@ -211,8 +213,6 @@ def convert_checkpoint(
 
         save_megatron_checkpoint(model, destination)
         return destination
-    if to != "dlm":
-        raise ValueError(f"unknown target {to!r}; choose 'dlm' or 'megatron'")
     model.save_pretrained(destination)
     if tokenizer is not None:
         tokenizer.save_pretrained(destination)

@@ -129,10 +129,5 @@ def rename_state_dict(
     return renamed
 
 
-def invert_map(weight_map: dict[str, str | None]) -> dict[str, str]:
-    """hf-dlm key template -> source key template (for writing a family's layout back)."""
-    return {target: source for source, target in weight_map.items() if target is not None}
-
-
 __all__ = ["FAMILY_MAPS", "LLAMA_MAP", "MISTRAL_MAP", "QWEN2_MAP", "QWEN3_MAP", "DREAM_MAP", "LLADA_MAP",
-           "MEGADLMS_MAP", "DLM_MAP", "key_template", "rename_state_dict", "invert_map"]
+           "MEGADLMS_MAP", "DLM_MAP", "key_template", "rename_state_dict"]

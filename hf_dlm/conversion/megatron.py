@@ -123,6 +123,12 @@ def megatron_to_dlm(state_dict: dict[str, torch.Tensor], config, source: str = "
 
 def megatron_args(config) -> argparse.Namespace:
     """Megatron-LM argument names for `config` (what `--use-checkpoint-args` reads), plus the exact DLMConfig."""
+    if config.attention_bias != config.mlp_bias:
+        # Megatron has one switch for every linear's bias (add_bias_linear) and one for q/k/v only
+        raise ValueError(
+            f"Megatron cannot hold attention_bias={config.attention_bias} with mlp_bias={config.mlp_bias}: its "
+            "add_bias_linear gives all linears a bias or none (qkv_bias alone maps to add_qkv_bias)"
+        )
     rope = config.rope_parameters
     return argparse.Namespace(
         num_layers=config.num_hidden_layers,
@@ -203,10 +209,11 @@ def config_from_megatron(args: argparse.Namespace, state_dict: dict[str, torch.T
 def save_megatron_checkpoint(model, folder: str | os.PathLike, iteration: str = "release") -> Path:
     """Write `model` in the legacy single-rank Megatron layout under `folder`."""
     folder = Path(folder)
+    args = megatron_args(model.config)  # refuses what Megatron cannot hold before anything is written
+    state_dict = {k: v.detach().contiguous().clone() for k, v in dlm_to_megatron(model.state_dict(), model.config).items()}
+    checkpoint = {"args": args, "checkpoint_version": 3.0, "iteration": 0, "model": state_dict}
     rank_dir = folder / iteration / "mp_rank_00"
     rank_dir.mkdir(parents=True, exist_ok=True)
-    state_dict = {k: v.detach().contiguous().clone() for k, v in dlm_to_megatron(model.state_dict(), model.config).items()}
-    checkpoint = {"args": megatron_args(model.config), "checkpoint_version": 3.0, "iteration": 0, "model": state_dict}
     torch.save(checkpoint, rank_dir / "model_optim_rng.pt")
     (folder / "latest_checkpointed_iteration.txt").write_text(iteration)
     return rank_dir / "model_optim_rng.pt"

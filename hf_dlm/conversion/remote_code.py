@@ -124,10 +124,10 @@ def _top_level_names(tree: ast.Module) -> dict[str, ast.AST]:
     return names
 
 
-def _flatten(module: _Module, bundle: set[str], sibling: dict[str, str]) -> str:
-    """Source of `module` with in-package imports rewritten for a flat file.
+def _flatten(module: _Module, sibling: dict[str, str]) -> str:
+    """Source of `module` with in-package imports rewritten for a flat file (modules pasted into the same
+    file need no import: their names are plain globals there).
 
-    bundle: modules pasted into the same file (their names are plain globals there);
     sibling: module name -> flat file stem for modules that live in the other generated file.
     """
     lines = module.source.splitlines()
@@ -198,7 +198,7 @@ def generate_remote_code(config_root: str = CONFIG_ROOT, model_root: str = MODEL
     for file_name, order, other in ((CONFIG_FILE, config_order, {}), (MODEL_FILE, model_order, sibling)):
         modules = [loaded[name] for name in order]
         _check_collisions(modules)
-        files[file_name] = header + "\n\n".join(_flatten(m, set(order), other) for m in modules)
+        files[file_name] = header + "\n\n".join(_flatten(m, other) for m in modules)
         compile(files[file_name], file_name, "exec")  # a broken rewrite fails here, not on the user's machine
     return files
 

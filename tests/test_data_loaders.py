@@ -244,3 +244,21 @@ def test_accelerate_sharding_of_the_full_stream_keeps_global_indices(corpus):
         assert stream.state_dict()["consumed_samples"] == len(samples)  # every rank reads the whole stream
     assert set(shards[0]).isdisjoint(shards[1])
     assert sorted(shards[0] + shards[1]) == list(range(len(samples) // 6 * 6))
+
+
+def test_each_dataset_keeps_its_own_epoch_orders(monkeypatch):
+    """Datasets read in turn do not evict each other's permutations (one draw per dataset and epoch)."""
+    from hf_dlm.training import datasets as datasets_module
+
+    draws = []
+    real_rng = np.random.default_rng
+    monkeypatch.setattr(datasets_module.np.random, "default_rng", lambda seed: draws.append(seed) or real_rng(seed))
+    base = [{"input_ids": torch.tensor([i])} for i in range(10)]
+    streams = [ShuffledSamples(base, seed=s, num_epochs=1) for s in range(3)]
+    blended = BlendedDataset([base, base[:5]], [0.5, 0.5], seed=7)
+    for i in range(10):
+        for stream in streams:
+            stream[i]
+        blended[i]
+    assert len(draws) == 3 + 2  # 3 streams x 1 epoch, 2 blended sources x 1 epoch
+    assert sorted(int(streams[0][i]["input_ids"]) for i in range(10)) == list(range(10))

@@ -17,8 +17,6 @@ Layers, each usable from plain PyTorch:
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -104,9 +102,8 @@ class BlendedDataset(Dataset):
     def __len__(self) -> int:
         return self.size
 
-    @lru_cache(maxsize=64)
     def _order(self, d: int, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, d, epoch]).permutation(len(self.datasets[d]))
+        return _recent_order(self, (self.seed, d, epoch), len(self.datasets[d]), keep=2 * len(self.datasets))
 
     def __getitem__(self, i: int) -> dict:
         d, draw = int(self.dataset_index[i]), int(self.dataset_draw[i])
@@ -114,6 +111,18 @@ class BlendedDataset(Dataset):
         sample = dict(self.datasets[d][int(self._order(d, epoch)[j])])
         sample["sample_index"] = i
         return sample
+
+
+def _recent_order(owner, seed: tuple, n: int, keep: int) -> np.ndarray:
+    """The permutation of range(n) seeded by `seed`, memoised on `owner` (the last `keep` of them). Not
+    `functools.lru_cache` on a method: that is one cache shared by every instance, so two datasets read
+    in turn would evict each other's orders and redraw an O(n) permutation per sample."""
+    orders = owner.__dict__.setdefault("_orders", {})
+    if seed not in orders:
+        if len(orders) >= keep:
+            orders.pop(next(iter(orders)))
+        orders[seed] = np.random.default_rng(list(seed)).permutation(n)
+    return orders[seed]
 
 
 class ShuffledSamples(Dataset):
@@ -132,9 +141,8 @@ class ShuffledSamples(Dataset):
             raise TypeError("an endless ShuffledSamples (num_epochs=None) has no length")
         return self.samples_per_epoch * self.num_epochs
 
-    @lru_cache(maxsize=2)
     def _order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.samples_per_epoch)
+        return _recent_order(self, (self.seed, epoch), self.samples_per_epoch, keep=2)
 
     def __getitem__(self, g: int) -> dict:
         epoch, j = divmod(int(g), self.samples_per_epoch)

@@ -140,6 +140,10 @@ def test_hf_stream_packs_streaming_datasets_and_resumes(tmp_path):
             offsets = sample["input_ids"] % 1000
             positions = sample["position_ids"]
             assert positions[0] == 0 and torch.equal(positions[1:] == 0, offsets[1:] == 0)
+            # inside a window a document goes on token by token: nothing skipped or repeated
+            assert torch.equal(positions[1:] != 0, offsets[1:] - offsets[:-1] == 1)
+        first_epoch = torch.cat([s["input_ids"] for s in full[: len(full) // 2]])
+        assert first_epoch.unique().numel() == first_epoch.numel()  # no token twice in one epoch
         stream = make()
         it = iter(stream)
         head = [next(it) for _ in range(5)]

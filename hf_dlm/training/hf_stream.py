@@ -67,13 +67,17 @@ class HFPackedStream(IterableDataset):
         buffer, starts, number = [], [], 0
         for ids in self._epoch_rows(epoch):
             starts.append(len(buffer))
-            buffer.extend(list(ids) + eod)
-            while len(buffer) >= self.seq_length:
-                inside = np.asarray([s for s in starts if s < self.seq_length], dtype=np.int64)
-                yield number, buffer[:self.seq_length], inside
-                buffer = buffer[self.seq_length:]
-                starts = [s - self.seq_length for s in starts if s >= self.seq_length]
-                number += 1
+            buffer.extend(ids)
+            buffer.extend(eod)
+            head = 0  # windows are cut at an offset, and the buffer is trimmed once per document: a long
+            while len(buffer) - head >= self.seq_length:  # document costs linear, not quadratic, time
+                end = head + self.seq_length
+                inside = np.asarray([s - head for s in starts if s < end], dtype=np.int64)
+                yield number, buffer[head:end], inside
+                starts = [s for s in starts if s >= end]
+                head, number = end, number + 1
+            del buffer[:head]
+            starts = [s - head for s in starts]
 
     def __iter__(self):
         worker = get_worker_info()

@@ -126,6 +126,9 @@ class DLMTrainingArguments(TrainingArguments):
             fail("eval_mc_num", ">= 1")
         if self.fp8_recipe is not None and self.fp8_recipe not in FP8_RECIPES:
             fail("fp8_recipe", f"one of {FP8_RECIPES} or None")
+        if not self.average_tokens_across_devices:
+            # DLMTrainer always normalises by the global number of supervised items (exact accumulation)
+            fail("average_tokens_across_devices", "True (the loss is normalised over all ranks)")
         if self.fp8_fast_accum and self.fp8_recipe is None:
             fail("fp8_fast_accum", "False unless fp8_recipe is set")
         if not isinstance(self.compile_blocks, bool):

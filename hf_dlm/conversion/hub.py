@@ -23,15 +23,20 @@ def save_with_remote_code(model, transformers_save, save_directory, *args, **kwa
     """`transformers_save(save_directory, ...)` plus remote code, `auto_map` and a default model card.
 
     `push_to_hub=True` is taken out of transformers' save (it would upload before the code files exist)
-    and done here once the folder is complete.
+    and done here once the folder is complete. `strict_remote_code=True`: a code-export failure raises
+    instead of warning (the weights stay saved either way).
     """
     push = kwargs.pop("push_to_hub", False)
+    strict = kwargs.pop("strict_remote_code", False)  # raise (Hub export) instead of warning (checkpoints)
     hub_options = {key: kwargs.pop(key) for key in _HUB_KWARGS if key in kwargs}
     result = transformers_save(save_directory, *args, **kwargs)
     if kwargs.get("is_main_process", args[0] if args else True):
         try:
             write_remote_code(save_directory)
         except (ImportError, NotImplementedError, NameError, SyntaxError) as error:
+            if strict:
+                remove_remote_code(save_directory)
+                raise
             # the weights are saved; a checkpoint save in a training run must not die over the extra files
             warnings.warn(f"{save_directory}: saved without remote code ({error}); it loads where hf-dlm is installed",
                           stacklevel=3)
@@ -59,8 +64,7 @@ def prepare_hub_folder(
     `auto_map`, generated modeling code, generation config, tokenizer and a model card with `base_model`
     and `training_details`."""
     folder = Path(folder)
-    model.save_pretrained(folder, max_shard_size=max_shard_size)
-    write_remote_code(folder)  # again, so that an export problem is an error here rather than a warning
+    model.save_pretrained(folder, max_shard_size=max_shard_size, strict_remote_code=True)  # no Hub repo without code
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     write_info(folder, base_model=base_model, training=training_details or None)

@@ -378,6 +378,26 @@ def test_megatron_refuses_bias_layouts_it_cannot_hold(tmp_path):
 
 # ---- verify ----
 
+def test_verify_loader_overrides_the_attention_mode(tmp_path):
+    from hf_dlm.conversion.megatron import save_megatron_checkpoint
+    from hf_dlm.conversion.verify import load_for_verify
+
+    model = randomize(tiny_model())  # bidirectional
+    model.save_pretrained(tmp_path / "dlm")
+    save_megatron_checkpoint(model, tmp_path / "mega")
+    ids = torch.randint(0, 98, (1, 8))
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % 98
+    for folder in ("dlm", "mega"):
+        causal, is_dlm = load_for_verify(tmp_path / folder, torch.float32, attention_mode="causal")
+        assert is_dlm and causal.config.attention_mode == "causal"
+        with torch.no_grad():  # the first position no longer sees the last token
+            torch.testing.assert_close(causal(input_ids=ids).logits[0, 0], causal(input_ids=changed).logits[0, 0])
+        as_saved = load_for_verify(tmp_path / folder, torch.float32)[0]
+        with torch.no_grad():
+            assert not torch.equal(as_saved(input_ids=ids).logits[0, 0], as_saved(input_ids=changed).logits[0, 0])
+
+
 def test_verify_passes_then_fails_on_corrupted_weight(tmp_path, capsys):
     folder = tmp_path / "llama"
     save_ar_checkpoint("llama", folder, max_shard_size="20KB")  # sharded: read through the index

@@ -69,7 +69,8 @@ def load_for_verify(path, dtype: torch.dtype, attention_mode: str | None = None,
         from .convert import ConversionOptions, load_as_dlm
 
         dtype_name = str(dtype).removeprefix("torch.")  # cast the weights only: RoPE buffers stay float32
-        model = load_as_dlm("megatron", path, ConversionOptions(dtype=dtype_name, trust_pickle=trust_pickle))[0]
+        options = ConversionOptions(dtype=dtype_name, trust_pickle=trust_pickle, attention_mode=attention_mode)
+        model = load_as_dlm("megatron", path, options)[0]
         is_dlm = True
     else:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -77,7 +78,8 @@ def load_for_verify(path, dtype: torch.dtype, attention_mode: str | None = None,
         if is_dlm:
             from ..modeling import DLMForDiffusionLM
 
-            model = DLMForDiffusionLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+            overrides = {"attention_mode": attention_mode} if attention_mode is not None else {}
+            model = DLMForDiffusionLM.from_pretrained(path, dtype=dtype, attn_implementation="eager", **overrides)
         else:
             from transformers import AutoModel, AutoModelForCausalLM
 
@@ -88,10 +90,6 @@ def load_for_verify(path, dtype: torch.dtype, attention_mode: str | None = None,
                 model = AutoModel.from_pretrained(path, **options)
     if is_dlm:
         model.config._attn_implementation = "eager"
-        if attention_mode is not None:
-            model.config.attention_mode = attention_mode
-            for layer in model.model.layers:
-                layer.self_attn.is_causal = attention_mode == "causal"
     return model.eval(), is_dlm
 
 

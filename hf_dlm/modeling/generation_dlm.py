@@ -139,24 +139,18 @@ class DiffusionSampler:
             return self.compiled(*args, **kwargs)
 
     def _logits(self, canvas, rows, window, query, key_end, store):
-        """Guided logits (b, W, V) for the canvas positions `window` of the rows `rows` (None: all)."""
+        """Guided logits (b, W, V) for the canvas positions `window` of the rows `rows` (None: all rows,
+        through the compiled forward)."""
         cfg, batch = self.config, canvas.shape[0]
-        if rows is None:
-            x, mask = canvas, self.full_mask
-            if cfg.cfg_scale:
-                x = torch.cat([x, x.masked_fill(self.prompt_tokens, self.mask_id)])
-                mask = torch.cat([mask, mask])
-            logits = self._static_logits(x, mask, window, query, store)
-            if not cfg.cfg_scale:
-                return logits
-            cond, uncond = logits.chunk(2)
-            return uncond + (cfg.cfg_scale + 1) * (cond - uncond)
-        x, mask = canvas[rows], self.full_mask[rows]
+        every = slice(None) if rows is None else rows
+        x, mask = canvas[every], self.full_mask[every]
         if cfg.cfg_scale:  # unconditional copy: the prompt masked; both go through one forward
-            x = torch.cat([x, x.masked_fill(self.prompt_tokens[rows], self.mask_id)])
+            x = torch.cat([x, x.masked_fill(self.prompt_tokens[every], self.mask_id)])
             mask = torch.cat([mask, mask])
-            rows = torch.cat([rows, rows + batch])
-        if self.cache is None:
+            rows = None if rows is None else torch.cat([rows, rows + batch])
+        if rows is None:
+            logits = self._static_logits(x, mask, window, query, store)
+        elif self.cache is None:
             logits = self._forward(x, mask, None, window)
         else:
             query_start = min(query[0], window[0] - self.shift)

@@ -25,8 +25,6 @@ import weakref
 
 import torch
 
-from .masks import build_attention_mask
-
 # generate(compile=...) value -> torch.compile keyword arguments (True picks per device)
 COMPILE_CHOICES = {
     "default": dict(mode="default"),
@@ -80,22 +78,11 @@ def static_forward(model, input_ids, position_ids, key_padding, key_position_ids
     (key, value) (b, nkv, K, hd) of the whole canvas, or None when the query is the whole canvas;
     slots (Q,): the canvas slots of the query. -> logits (b, W, V) [, keys (n_layers, b, nkv, Q, hd),
     values (same)]."""
-    backbone, config = model.model, model.config
-    hidden_states = backbone.embed_tokens(input_ids)
-    batch_size, query_len = input_ids.shape
+    cache = _SplicedKV(past, slots)
     # queries are the last Q keys: exact for the whole canvas and the prefix cache; for the dual cache's
     # window the offset only reaches the self-clause of padded queries, and its queries are never padding
-    mask = build_attention_mask(
-        config._attn_implementation or "eager", config.attention_mode, config.block_size, batch_size, query_len,
-        key_padding.shape[1], hidden_states.device, hidden_states.dtype, attention_mask=key_padding,
-        position_ids=key_position_ids,
-    )
-    position_embeddings = backbone.rotary_emb(hidden_states, position_ids)
-    cache = _SplicedKV(past, slots)
-    for layer in backbone.layers:
-        hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings,
-                              kv_cache=cache)
-    logits = model.lm_head(backbone.norm(hidden_states).index_select(1, head_index))
+    hidden_states = model.model.forward_window(input_ids, None, position_ids, key_padding, key_position_ids, cache)
+    logits = model.lm_head(hidden_states.index_select(1, head_index))
     if not return_kv:
         return logits
     return logits, torch.stack([k for k, _ in cache.fresh]), torch.stack([v for _, v in cache.fresh])

@@ -288,18 +288,30 @@ class DLMModel(DLMPreTrainedModel):
         return BaseModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states)
 
     def _forward_with_cache(self, input_ids, inputs_embeds, kv_cache, **kwargs) -> BaseModelOutput:
-        """Queries are canvas slots [start, start + Q) of the cache; keys are the cache's slots
-        [0, key_end) with the query slots recomputed (queries sit at the end of the keys, or, for
-        bidirectional dual caching, anywhere: only the padded-query self-clause reads the offset)."""
+        """Queries are canvas slots [start, start + Q) of the cache; keys are the cache's slots [0, key_end)
+        with the query slots recomputed."""
+        query_len = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
+        positions, key_end = kv_cache.position_ids, kv_cache.key_end
+        hidden_states = self.forward_window(
+            input_ids, inputs_embeds, positions[:, kv_cache.start : kv_cache.start + query_len],
+            kv_cache.attention_mask[:, :key_end], positions[:, :key_end], kv_cache, **kwargs,
+        )
+        return BaseModelOutput(last_hidden_state=hidden_states)
+
+    def forward_window(self, input_ids, inputs_embeds, position_ids, key_padding, key_position_ids, kv_cache,
+                       **kwargs) -> torch.Tensor:
+        """The samplers' forward: queries (b, Q) at `position_ids` against keys (b, K) described by
+        `key_padding` (1 = real) and `key_position_ids`, whose keys / values `kv_cache` supplies (its
+        `update(layer_idx, key, value)` returns all keys). Queries sit at the end of the keys, or, for
+        bidirectional dual caching, anywhere: only the padded-query self-clause reads the offset.
+        -> final-normed hidden states (b, Q, H)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, query_len = inputs_embeds.shape[:2]
-        position_ids = kv_cache.position_ids[:, kv_cache.start : kv_cache.start + query_len]
         mask = build_attention_mask(
             self.config._attn_implementation or "eager", self.config.attention_mode, self.config.block_size,
-            batch_size, query_len, kv_cache.key_end, inputs_embeds.device, inputs_embeds.dtype,
-            attention_mask=kv_cache.attention_mask[:, : kv_cache.key_end],
-            position_ids=kv_cache.position_ids[:, : kv_cache.key_end],
+            batch_size, query_len, key_padding.shape[1], inputs_embeds.device, inputs_embeds.dtype,
+            attention_mask=key_padding, position_ids=key_position_ids,
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -307,7 +319,7 @@ class DLMModel(DLMPreTrainedModel):
             hidden_states = layer(
                 hidden_states, attention_mask=mask, position_embeddings=position_embeddings, kv_cache=kv_cache, **kwargs
             )
-        return BaseModelOutput(last_hidden_state=self.norm(hidden_states))
+        return self.norm(hidden_states)
 
 
 @dataclass

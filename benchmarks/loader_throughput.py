@@ -1,5 +1,5 @@
 """Training-loader throughput on CPU: samples/s of packed 4096-token samples from indexed files
-(blend of two prefixes, shuffled, rank-sharded stream, DataLoader + collate).
+(blend of two prefixes, shuffled, rank-sharded stream, DataLoader with its default collate).
 
     python benchmarks/loader_throughput.py --tokens 40_000_000 --samples 2000
 
@@ -30,7 +30,7 @@ def main():
     import torch
     from torch.utils.data import DataLoader
 
-    from hf_dlm.training.datasets import build_pretraining_dataset, collate
+    from hf_dlm.training.datasets import build_pretraining_dataset
     from hf_dlm.training.indexed_dataset import IndexedDatasetWriter
 
     work = tempfile.mkdtemp(prefix="hf_dlm_loader_")
@@ -51,7 +51,7 @@ def main():
         stream = build_pretraining_dataset(prefixes, args.seq_length, weights=[0.7, 0.3], seed=0, num_epochs=None,
                                            rank=1, world_size=8,
                                            micro_batch_size=args.batch_size)
-        loader = DataLoader(stream, batch_size=args.batch_size, collate_fn=collate, num_workers=num_workers,
+        loader = DataLoader(stream, batch_size=args.batch_size, num_workers=num_workers,
                             pin_memory=False)
         it = iter(loader)
         next(it)  # start-up (workers, permutations) is not throughput

@@ -5,11 +5,11 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from hf_dlm.modeling.masks import document_ids_from_position_ids
 from hf_dlm.training.datasets import (BlendedDataset, DistributedSampleStream, PackedDataset, ShuffledSamples,
-                                      blend_schedule, build_pretraining_dataset, collate)
+                                      blend_schedule, build_pretraining_dataset)
 from hf_dlm.training.indexed_dataset import IndexedDatasetWriter
 
 
@@ -113,10 +113,10 @@ def test_rank_shards_are_disjoint_and_cover_everything(corpus):
 def test_dataloader_workers_keep_order_and_collate(corpus):
     samples = ShuffledSamples(PackedDataset(corpus[0], seq_length=16), seed=0)
     stream = DistributedSampleStream(samples, rank=1, world_size=2, micro_batch_size=4, max_samples=40)
-    batches = list(DataLoader(stream, batch_size=4, num_workers=2, collate_fn=collate))
+    batches = list(DataLoader(stream, batch_size=4, num_workers=2))
     assert [b["sample_index"].tolist() for b in batches[:2]] == [[1, 3, 5, 7], [9, 11, 13, 15]]
     # a collate_fn running in the worker sees the exact position after its batch
-    stateful = lambda samples: {**collate(samples), "state": stream.state_dict()["consumed_samples"]}  # noqa: E731
+    stateful = lambda samples: {**default_collate(samples), "state": stream.state_dict()["consumed_samples"]}  # noqa: E731
     states = [b["state"] for b in DataLoader(stream, batch_size=4, num_workers=2, collate_fn=stateful)]
     assert states == [8 * (s + 1) for s in range(len(states))]
     batch = batches[0]
@@ -155,7 +155,7 @@ def test_hf_stream_packs_streaming_datasets_and_resumes(tmp_path):
         assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == {s["sample_index"] for s in full}
     # DataLoader workers: batches in window order, and the worker-side state resumes exactly after a batch
     stream = HFPackedStream(in_memory, seq_length=8, append_eod=False, seed=1, micro_batch_size=2)
-    stateful = lambda samples: {**collate(samples), "state": stream.state_dict()}  # noqa: E731
+    stateful = lambda samples: {**default_collate(samples), "state": stream.state_dict()}  # noqa: E731
     batches = list(DataLoader(stream, batch_size=2, num_workers=2, collate_fn=stateful))
     assert [b["sample_index"].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     resumed = HFPackedStream(in_memory, seq_length=8, append_eod=False, seed=1)
@@ -198,7 +198,7 @@ def test_sft_prompt_mask_and_both_padding_policies(chat_tokenizer):
 
     objective = MaskedDiffusionObjective(mask_token_id=tok.mask_token_id)
     for sample, padding_supervised in ((eos, True), (excl, False)):
-        batch = collate([sample] * 8)
+        batch = default_collate([sample] * 8)
         inputs = objective.corrupt(batch["input_ids"], batch["sample_index"] + torch.arange(8),
                                    batch["attention_mask"], batch["prompt_mask"])
         assert torch.equal(inputs["input_ids"][:, :len(prompt)], batch["input_ids"][:, :len(prompt)])
@@ -218,7 +218,7 @@ def test_packed_batches_drive_the_model_and_documents_stay_apart(tmp_path):
 
     rng = np.random.default_rng(1)
     prefix = write_docs(tmp_path / "m", [rng.integers(0, MASK_ID, size=n) for n in (5, 30, 11, 9, 40, 17)])
-    loader = DataLoader(build_pretraining_dataset([prefix], seq_length=24, seed=0), batch_size=2, collate_fn=collate)
+    loader = DataLoader(build_pretraining_dataset([prefix], seq_length=24, seed=0), batch_size=2)
     batch = next(iter(loader))
     model = tiny_model()
     objective = MaskedDiffusionObjective(mask_token_id=MASK_ID)

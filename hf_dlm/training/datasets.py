@@ -6,7 +6,7 @@ Every sample is a dict (the contract with the trainer):
                 packed-document masks from exactly that); the first token of a window is always 0
   sample_index  int, a GLOBAL index unique per draw (epoch * samples_per_epoch + position in the epoch);
                 the diffusion noise is keyed by it, so it never depends on rank, world size or batch size
-SFT samples add `attention_mask` and `prompt_mask` (see `sft_data.py`). `collate` stacks samples.
+SFT samples add `attention_mask` and `prompt_mask` (see `sft_data.py`). `torch.utils.data.default_collate` (the DataLoader's default) stacks samples.
 
 Layers, each usable from plain PyTorch:
   PackedDataset          map-style: window i of one indexed dataset (no shuffling)
@@ -220,21 +220,13 @@ class DistributedSampleStream(IterableDataset):
         self.consumed_samples, self._next_k = int(state["consumed_samples"]), 0
 
 
-def collate(samples: list[dict]) -> dict:
-    """Stack a list of sample dicts: tensors (L,) -> (B, L), ints (sample_index) -> LongTensor (B,)."""
-    batch = {}
-    for key in samples[0]:
-        values = [sample[key] for sample in samples]
-        batch[key] = torch.stack(values) if isinstance(values[0], torch.Tensor) else torch.tensor(values, dtype=torch.long)
-    return batch
-
-
 def build_pretraining_dataset(prefixes: list[str], seq_length: int, weights: list[float] | None = None,
                               seed: int = 0, num_epochs: int | None = 1, blend_size: int | None = None,
                               rank: int = 0, world_size: int = 1, micro_batch_size: int = 1,
                               consumed_samples: int = 0) -> DistributedSampleStream:
     """The usual stack: packed windows of each prefix, blended by `weights` (default: by size), shuffled
-    per epoch, this rank's share. Feed it to `torch.utils.data.DataLoader(..., collate_fn=collate)`.
+    per epoch, this rank's share. Feed it to `torch.utils.data.DataLoader(...)`, whose default collate
+    stacks the samples.
     `num_epochs=None` streams without end (for a trainer stopped by max_steps)."""
     packed = [PackedDataset(prefix, seq_length) for prefix in prefixes]
     if len(packed) == 1 and weights is None:

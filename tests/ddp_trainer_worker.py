@@ -11,8 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hf_dlm.training.memory_dataset import TokenWindowStream  # noqa: E402
-from tests.trainer_utils import StopAfter, flat_params, make_trainer, random_dataset  # noqa: E402
+from tests.trainer_utils import StopAfter, flat_params, make_trainer, random_dataset, window_stream  # noqa: E402
 
 
 def losses(trainer, after_step: int = 0):
@@ -31,12 +30,12 @@ def main(out_dir: str) -> None:
 
     ids = random_dataset(10).input_ids
     stream = dict(max_steps=4, save_strategy="steps", save_steps=2, **common)
-    straight = make_trainer(os.path.join(out_dir, "stream_straight"), dataset=TokenWindowStream(ids, seed=3), **stream)
+    straight = make_trainer(os.path.join(out_dir, "stream_straight"), dataset=window_stream(ids, seed=3), **stream)
     straight.train()
-    first = make_trainer(os.path.join(out_dir, "stream_split"), dataset=TokenWindowStream(ids, seed=3), **stream)
+    first = make_trainer(os.path.join(out_dir, "stream_split"), dataset=window_stream(ids, seed=3), **stream)
     first.add_callback(StopAfter(2))
     first.train()
-    resumed = make_trainer(os.path.join(out_dir, "stream_split"), dataset=TokenWindowStream(ids, seed=3), model_seed=1,
+    resumed = make_trainer(os.path.join(out_dir, "stream_split"), dataset=window_stream(ids, seed=3), model_seed=1,
                            **stream)
     resumed.train(resume_from_checkpoint=True)
     record["stream"] = {"straight_indices": straight.sample_indices, "straight_losses": losses(straight),

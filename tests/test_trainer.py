@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 from transformers.trainer_utils import get_last_checkpoint
 
-from hf_dlm.training.memory_dataset import TokenWindowStream
 from hf_dlm.training.trainer import DATA_STATE_NAME, STAGING_DIR
 from tests.conftest import VOCAB
-from tests.trainer_utils import SEQ_LEN, StopAfter, flat_params, make_trainer, random_dataset
+from tests.trainer_utils import SEQ_LEN, StopAfter, flat_params, make_trainer, random_dataset, window_stream
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +124,7 @@ def test_stream_dataset_resumes_from_its_saved_position(tmp_path):
     ids = random_dataset(10).input_ids
 
     def run(directory, stop=None, resume=None, seed=0):
-        trainer = make_trainer(directory, dataset=TokenWindowStream(ids, seed=3), model_seed=seed,
+        trainer = make_trainer(directory, dataset=window_stream(ids, seed=3), model_seed=seed,
                                save_strategy="steps", save_steps=3, max_steps=6, per_device_train_batch_size=2)
         if stop:
             trainer.add_callback(StopAfter(stop))
@@ -134,7 +133,7 @@ def test_stream_dataset_resumes_from_its_saved_position(tmp_path):
 
     straight = run(tmp_path / "straight")
     first = run(tmp_path / "split", stop=3)
-    assert torch.load(tmp_path / "split" / "checkpoint-3" / DATA_STATE_NAME.format(rank=0)) == {"consumed": 6}
+    assert torch.load(tmp_path / "split" / "checkpoint-3" / DATA_STATE_NAME.format(rank=0)) == {"consumed_samples": 6}
     resumed = run(tmp_path / "split", resume=True, seed=1)
     assert first.sample_indices + resumed.sample_indices == straight.sample_indices == list(range(12))
     torch.testing.assert_close(torch.tensor(first.step_losses + resumed.step_losses),

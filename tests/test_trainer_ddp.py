@@ -57,4 +57,4 @@ def test_ddp_two_cpu_ranks_train_like_one_process(tmp_path):
         torch.testing.assert_close(torch.tensor(stream["split_losses"]), torch.tensor(stream["straight_losses"]),
                                    rtol=0, atol=1e-6)
     assert not set(ranks[0]["stream"]["straight_indices"]) & set(ranks[1]["stream"]["straight_indices"])
-    assert torch.load(tmp_path / "stream_split" / "checkpoint-2" / "data_state_rank1.pt") == {"consumed": 8}
+    assert torch.load(tmp_path / "stream_split" / "checkpoint-2" / "data_state_rank1.pt") == {"consumed_samples": 8}

@@ -47,6 +47,14 @@ class RecordingTrainer(DLMTrainer):
         return loss
 
 
+def window_stream(ids: torch.Tensor, seed: int = 0):
+    """The production stream stack (`build_pretraining_dataset` without the files): windows shuffled per
+    epoch with (seed, epoch), endless, position in `state_dict()`; accelerate shards it over ranks."""
+    from hf_dlm.training.datasets import DistributedSampleStream, ShuffledSamples
+
+    return DistributedSampleStream(ShuffledSamples(TokenWindowDataset(ids), seed=seed, num_epochs=None))
+
+
 def make_args(output_dir, **overrides) -> DLMTrainingArguments:
     options = dict(output_dir=str(output_dir), use_cpu=True, report_to="none", disable_tqdm=True, seed=0,
                    per_device_train_batch_size=4, learning_rate=1e-2, lr_scheduler_type="cosine", warmup_steps=2,

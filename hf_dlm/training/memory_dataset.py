@@ -2,15 +2,15 @@
 tiny example config and quick experiments. Large corpora use the Megatron indexed / packed datasets.
 
 `TokenWindowDataset` is map-style: the Trainer's seeded sampler orders it and resumes by skipping
-batches. `TokenWindowStream` is iterable with `state_dict()` / `load_state_dict()`: it resumes from
-its own saved position.
+batches. For a stream that resumes from its own saved position, wrap it as the indexed data is wrapped:
+`DistributedSampleStream(ShuffledSamples(TokenWindowDataset(ids), seed, num_epochs=None))`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset
 
 
 def pack_documents(documents: list[list[int]], seq_len: int, eos_token_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,29 +54,3 @@ class TokenWindowDataset(Dataset):
         if self.position_ids is not None:
             sample["position_ids"] = self.position_ids[index]
         return sample
-
-
-class TokenWindowStream(IterableDataset):
-    """An endless stream over windows (N, L), reshuffled every epoch with (seed, epoch), whose position
-    is checkpointable: `state_dict()` is {"consumed": samples yielded so far}. Sharding over ranks is
-    left to the data loader (accelerate's `IterableDatasetShard`), so every rank reads the same stream."""
-
-    def __init__(self, input_ids: torch.Tensor, seed: int = 0):
-        self.input_ids = input_ids.long()
-        self.seed = seed
-        self.consumed = 0
-
-    def state_dict(self) -> dict:
-        return {"consumed": self.consumed}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.consumed = int(state["consumed"])
-
-    def __iter__(self):
-        n = self.input_ids.shape[0]
-        while True:
-            epoch, offset = divmod(self.consumed, n)
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
-            index = int(order[offset])
-            self.consumed += 1
-            yield {"input_ids": self.input_ids[index], "sample_index": self.consumed - 1}

@@ -68,7 +68,7 @@ def test_set_overrides_and_the_cli_reports_config_errors(tmp_path, capsys):
     assert config["training"]["max_steps"] == 3 and config["data"]["seq_len"] == 32
     path = _write(tmp_path, "training:\n  max_step: 3\n")
     assert main(["train", path]) == 2
-    assert "training.max_step is not a DLMTrainingArguments field" in capsys.readouterr().out
+    assert "training.max_step is not a DLMTrainingArguments field" in capsys.readouterr().err  # errors go to stderr
 
 
 def test_hf_dlm_train_runs_the_tiny_config_and_saves_a_loadable_model(tmp_path):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 
 def add_arguments(parser):
@@ -19,7 +20,7 @@ def run(args) -> int:
     try:
         metrics = run_pretraining(args.config, args.overrides)
     except ConfigError as error:
-        print(f"hf-dlm train: {error}")
+        print(f"hf-dlm train: {error}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(metrics))

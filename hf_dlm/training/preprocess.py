@@ -151,12 +151,14 @@ def _read_hf_dataset(name: str, config: PreprocessConfig) -> Iterator[tuple]:
 _worker: dict = {}
 
 
-def _init_worker(tokenizer_name: str, json_key: str, eod_id: int | None, dtype: str, single_threaded: bool) -> None:
+def _init_worker(tokenizer, json_key: str, eod_id: int | None, dtype: str, single_threaded: bool) -> None:
+    """tokenizer: a name or path (worker processes load their own) or the loaded tokenizer (in process)."""
     if single_threaded:  # the worker processes are the parallelism; Rust threads would oversubscribe the cores
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from transformers import AutoTokenizer
+    if isinstance(tokenizer, str):
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     _worker.update(encode=_batch_encoder(tokenizer), json_key=json_key, eod_id=eod_id, dtype=np.dtype(dtype))
 
 
@@ -270,7 +272,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
         pool = multiprocessing.get_context(method).Pool(config.workers, _init_worker, init_args)
         results = _bounded_imap(pool, chunks, in_flight=2 * config.workers)
     else:
-        _init_worker(*init_args)
+        _init_worker(tokenizer, *init_args[1:])  # the tokenizer loaded above, not a second load
         results = map(_encode_chunk, chunks)
     from tqdm.auto import tqdm
 

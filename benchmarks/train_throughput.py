@@ -50,6 +50,39 @@ SUITES = {
         "compile scope: whole step": "--compile step",
     },
 }
+# one-GPU FSDP2 (weights cast once per step, float8 all-gather) and micro-batch 8, bf16 and float8
+FP8 = "--float8 tensorwise --float8-fast-accum"
+SUITES["weights"] = {
+    MAIN: "",
+    "dlm main, micro-batch 8": "--mbs 8",
+    "FSDP2 on one GPU (bf16 weights gathered once per step)": "--fsdp",
+    "float8 tensorwise, fast accumulation": FP8 + " --profile",
+    "float8 + FSDP2 float8 all-gather, scales precomputed once per step": FP8 + " --fsdp --float8-all-gather --profile",
+    "float8 in the MLPs only": FP8 + " --float8-skip lm_head self_attn",
+    "float8, micro-batch 8": FP8 + " --mbs 8",
+    "float8 + FSDP2 float8 all-gather, micro-batch 8": FP8 + " --fsdp --float8-all-gather --mbs 8",
+    "FSDP2 on one GPU, micro-batch 8": "--fsdp --mbs 8",
+}
+# float8 weights cast once per forward (hf-dlm's default for tensorwise) against torchao's per-GEMM casts
+SUITES["cast"] = {
+    MAIN: "",
+    "dlm main, micro-batch 8": "--mbs 8",
+    "float8 tensorwise (weights cast once per forward)": "--float8 tensorwise --profile",
+    "float8 tensorwise, fast accumulation (weights cast once per forward)": FP8 + " --profile",
+    "float8 tensorwise, fast accumulation, torchao's per-GEMM weight casts": FP8 + " --float8-cast-per-gemm",
+    "float8 tensorwise, fast accumulation, micro-batch 8": FP8 + " --mbs 8",
+}
+# the residual stream in bf16 (what bf16 weights give) with and without float8
+RES = " --low-precision-residual"
+SUITES["residual"] = {
+    MAIN: "",
+    "bf16 residual stream": RES + " --profile",
+    "bf16 residual stream, micro-batch 8": RES + " --mbs 8",
+    "float8 tensorwise, fast accumulation": FP8,
+    "float8 tensorwise, fast accumulation, bf16 residual stream": FP8 + RES + " --profile",
+    "float8 tensorwise, fast accumulation, bf16 residual stream, micro-batch 8": FP8 + RES + " --mbs 8",
+    "float8 tensorwise, bf16 residual stream (default accumulation)": "--float8 tensorwise" + RES,
+}
 SUITES["all"] = {**SUITES["core"], **SUITES["levers"]}
 
 
@@ -86,8 +119,21 @@ def parse_args(argv=None):
     p.add_argument("--no-fused-optimizer", action="store_true", help="foreach AdamW instead of fused")
     p.add_argument("--float8", default=None, choices=["tensorwise", "rowwise"], help="torchao float8 recipe")
     p.add_argument("--float8-fast-accum", action="store_true", help="fast accumulation in backward float8 GEMMs")
+    p.add_argument("--float8-all-gather", action="store_true",
+                   help="with --fsdp and tensorwise: weights all-gathered in float8, scales precomputed once per step")
+    p.add_argument("--float8-cast-per-gemm", action="store_true",
+                   help="torchao's own weight handling: amax and cast inside every layer's forward and again in "
+                        "backward (default: hf-dlm casts each weight once per forward, scales for all at once)")
+    p.add_argument("--float8-skip", nargs="*", default=["lm_head"],
+                   help="module names (any dotted part) kept in bf16, e.g. self_attn for float8 in the MLPs only")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 over this one GPU (a 1-rank mesh): bf16 parameter copies gathered once per step "
+                        "and kept to backward (reshard_after_forward=False) instead of autocast casting each "
+                        "weight in every forward and backward")
     p.add_argument("--float8-min-features", type=int, default=2048,
                    help="convert a linear to float8 only if its in and out features are both at least this")
+    p.add_argument("--low-precision-residual", action="store_true",
+                   help="residual stream in bf16 under autocast (embeddings cast), as bf16 weights would give")
     p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every decoder layer")
     p.add_argument("--loss-chunk", type=int, default=4096, help="DLMConfig.loss_chunk_size")
     p.add_argument("--peak", type=float, default=989e12, help="peak FLOP/s for MFU")
@@ -151,9 +197,22 @@ def run_one(a) -> dict:
     model = build_model(a, device)
     n_params = sum(p.numel() for p in model.parameters())
     t_build = time.perf_counter()
-    parallelize_dlm(model, float8_recipe=a.float8, activation_checkpointing=a.activation_checkpointing,
-                    compile=a.compile == "block", float8_min_features=a.float8_min_features,
-                    float8_fast_accum=a.float8_fast_accum,
+    if a.fsdp:
+        import torch.distributed as dist
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("gloo" if a.tiny else "nccl", rank=0, world_size=1)
+    if a.float8:
+        from hf_dlm.training.fp8 import convert_to_float8, precompute_float8_scales
+
+        convert_to_float8(model, recipe=a.float8, min_features=a.float8_min_features, skip=a.float8_skip,
+                          fast_accum=a.float8_fast_accum, fsdp_all_gather=a.float8_all_gather,
+                          cast_weights_once=not a.float8_cast_per_gemm)
+    parallelize_dlm(model, activation_checkpointing=a.activation_checkpointing,
+                    low_precision_residual=a.low_precision_residual,
+                    compile=a.compile == "block", fsdp=a.fsdp, reshard_after_forward=False,
+                    param_dtype=torch.bfloat16 if a.fsdp else None,
                     compile_options={"mode": a.compile_mode} if a.compile_mode else
                     {"options": {"coordinate_descent_tuning": True}} if a.coordinate_descent else None)
     if a.no_compile_loss:
@@ -185,9 +244,12 @@ def run_one(a) -> dict:
     probe = torch.randint(0, a.vocab - 1, (a.mbs, a.seq), device=device)
     changed = probe.clone()
     changed[:, -1] = (changed[:, -1] + 1) % (a.vocab - 1)
+    def first_position(input_ids):  # through the outer model: FSDP2's root hooks run there
+        out = model(input_ids=input_ids, return_logits=False, output_hidden_states=True)
+        return out.hidden_states[-1][:, 0].float()
+
     with autocast, torch.no_grad():
-        first = model.model(input_ids=probe).last_hidden_state[:, 0].float()
-        second = model.model(input_ids=changed).last_hidden_state[:, 0].float()
+        first, second = first_position(probe), first_position(changed)
     bidirectional = bool((first - second).abs().max() > 0)
     del first, second
     if device == "cuda":
@@ -203,6 +265,8 @@ def run_one(a) -> dict:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if a.float8_all_gather:
+            precompute_float8_scales(model)
         sync()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
@@ -218,7 +282,7 @@ def run_one(a) -> dict:
                   bidirectional=bidirectional, graph_breaks=sum(counters["graph_break"].values()))
     if a.profile and device == "cuda":
         try:
-            result.update(profile_step(step_loss, optimizer, a, device))
+            result.update(profile_step(step_loss, optimizer, a, device, model))
         except Exception as error:  # the timing above stands even if the profiler fails
             result["profile_error"] = repr(error)[:300]
     return result
@@ -236,7 +300,7 @@ KERNEL_CATEGORIES = (
 )
 
 
-def profile_step(step_loss, optimizer, a, device) -> dict:
+def profile_step(step_loss, optimizer, a, device, model) -> dict:
     """One full step (forward, backward, optimizer) under the profiler: GPU time by kernel category, the
     step's wall time, and the attention kernels that ran (which SDPA backend really ran)."""
     import torch
@@ -249,6 +313,10 @@ def profile_step(step_loss, optimizer, a, device) -> dict:
         step_loss(input_ids, torch.arange(a.mbs, device=device)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if a.float8_all_gather:
+            from hf_dlm.training.fp8 import precompute_float8_scales
+
+            precompute_float8_scales(model)
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
 
@@ -266,7 +334,7 @@ def profile_step(step_loss, optimizer, a, device) -> dict:
     return dict(
         profiled_step_wall_ms=round(wall_ms, 1), gpu_kernel_ms=round(busy, 1),
         kernel_ms_by_category={c: round(v, 1) for c, v in sorted(categories.items(), key=lambda kv: -kv[1])},
-        top_kernels_by_category={c: [(round(ms, 2), n, k) for ms, n, k in sorted(v, reverse=True)[:4]]
+        top_kernels_by_category={c: [(round(ms, 2), n, k) for ms, n, k in sorted(v, reverse=True)[:12]]
                                  for c, v in examples.items()},
         attention_kernels=sorted({e.key[:90] for e in events if any(
             k in e.key.lower() for k in ("fmha", "flash", "attn", "attention", "cudnn", "sdpa"))}),
@@ -342,8 +410,10 @@ def run_suite(a) -> int:
             log.write(json.dumps(dict(tag="sdpa", **row)) + "\n")
     if a.baseline_script and os.path.exists(a.baseline_script) and not a.tiny:
         base = [sys.executable, a.baseline_script, "--mbs", "4", "--warmup", str(a.warmup), "--steps", str(a.steps)]
-        launch("plain HF, eager (baseline)", base)
-        launch("plain HF, torch.compile of the step (baseline)", base + ["--compile"])
+        for tag, flags in (("plain HF, eager (baseline)", []), ("plain HF, torch.compile of the step (baseline)",
+                                                                 ["--compile"])):
+            if tag not in a.skip:
+                launch(tag, base + flags)
     for tag, flags in SUITES[a.suite].items():
         if tag in a.skip:
             continue

@@ -58,7 +58,9 @@ def test_float8_model_trains_close_to_bf16():
         loss.backward()
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
         losses.append(loss.detach())
-    assert type(model.model.layers[0].mlp.up_proj).__name__ == "Float8Linear"
+    from torchao.float8.float8_linear import Float8Linear
+
+    assert isinstance(model.model.layers[0].mlp.up_proj, Float8Linear)
     torch.testing.assert_close(losses[1], losses[0], rtol=0.05, atol=0)
 
 
@@ -96,3 +98,19 @@ def test_fast_accumulation_reaches_the_backward_gemms():
     default = _model()
     convert_to_float8(default, recipe="tensorwise", min_features=64)
     assert not default.model.layers[0].mlp.up_proj.config.gemm_config_grad_weight.use_fast_accum
+
+
+@needs_torchao
+def test_fsdp_float8_all_gather_is_tensorwise_only():
+    from hf_dlm.training.fp8 import precompute_float8_scales
+
+    with pytest.raises(ValueError, match="tensorwise"):
+        convert_to_float8(_model(), recipe="rowwise", min_features=64, fsdp_all_gather=True)
+    model = _model()
+    convert_to_float8(model, min_features=64, fsdp_all_gather=True)
+    assert model.model.layers[0].mlp.up_proj.config.enable_fsdp_float8_all_gather
+    plain = _model()
+    convert_to_float8(plain, min_features=64)
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    precompute_float8_scales(plain)  # nothing to precompute without the all-gather: no change, no error
+    assert all(torch.equal(v, before[k]) for k, v in plain.state_dict().items())

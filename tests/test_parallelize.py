@@ -14,6 +14,7 @@ from hf_dlm.training.parallelize import parallelize_dlm
 from tests.conftest import MASK_ID, VOCAB, tiny_model
 
 BATCH, LENGTH, STEPS = 4, 12, 2
+FLOAT8_MIN = 32  # q/o and the MLP of tiny_model (hidden 32, ffn 64) go to float8, k/v (32 -> 16) stay
 
 
 def _batches():
@@ -25,8 +26,9 @@ def _objective():
     return MaskedDiffusionObjective(mask_token_id=MASK_ID, normalization="batch")
 
 
-def _train(model, rows=slice(None)):
-    """STEPS of AdamW on `rows` of each batch; returns the losses and the first step's gradients."""
+def _train(model, rows=slice(None), after_step=None):
+    """STEPS of AdamW on `rows` of each batch (`after_step(model)` after each optimizer step); returns the
+    losses and the first step's gradients."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, grads = [], None
     for step, batch in enumerate(_batches()):
@@ -37,6 +39,8 @@ def _train(model, rows=slice(None)):
             grads = {name: _full(p.grad) for name, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
+        if after_step is not None:
+            after_step(model)
         losses.append(loss.detach())
     return losses, grads
 
@@ -65,6 +69,14 @@ def _worker(rank, world_size, init_file, out_file):
     for loss in losses:
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
     results["fsdp+checkpointing+compile"] = (losses, grads)
+    # float8 (tensorwise) under FSDP2, weights cast after the all-gather or all-gathered in float8; every
+    # rank trains on the whole batch, since float8 input scales depend on the rows a rank sees
+    from hf_dlm.training.fp8 import precompute_float8_scales
+
+    for layout, all_gather in (("fsdp+float8", False), ("fsdp+float8 all-gather", True)):
+        model = parallelize_dlm(tiny_model("sdpa").train(), dp_mesh=mesh, float8_recipe="tensorwise",
+                                float8_min_features=FLOAT8_MIN, float8_fsdp_all_gather=all_gather)
+        results[layout] = _train(model, after_step=precompute_float8_scales)
     # tensor parallel: every rank sees the whole batch, each holds half of the heads and MLP columns
     model = parallelize_dlm(tiny_model("sdpa").train(), tp_mesh=mesh)
     results["tp"] = _train(model)
@@ -96,6 +108,18 @@ def test_two_process_matches_single_process(distributed_results, reference, layo
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=1e-6, msg=f"{layout} gradient of {name}")
     assert ref_grads["model.layers.0.self_attn.q_norm.weight"].abs().sum() > 0  # the TP norm hook has work to do
+
+
+@pytest.mark.parametrize("layout", ["fsdp+float8", "fsdp+float8 all-gather"])
+def test_two_process_float8_matches_single_process(distributed_results, layout):
+    """Float8 under FSDP2, with weights cast after the all-gather or all-gathered in float8 with scales
+    precomputed after each optimizer step: the single process's numbers, within 1e-6."""
+    reference = _train(parallelize_dlm(tiny_model("sdpa").train(), float8_recipe="tensorwise",
+                                       float8_min_features=FLOAT8_MIN))
+    losses, grads = distributed_results[layout]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(reference[0]), rtol=0, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[1][name], rtol=0, atol=1e-6, msg=f"{layout} gradient of {name}")
 
 
 def test_activation_checkpointing_gives_the_same_gradients(reference):
@@ -166,3 +190,25 @@ def test_bidirectional_sdpa_runs_mask_free(monkeypatch):
         with torch.no_grad():
             model(torch.randint(0, VOCAB - 1, (2, 8)))
         assert len(calls) == 2 and all(mask is None and causal is False for mask, causal in calls), calls
+
+
+def test_low_precision_residual_runs_the_layers_in_bf16():
+    """The residual stream between layers is bf16 under autocast (fp32 without the option, from the fp32
+    embeddings); outside autocast nothing changes, and training stays close to the fp32-residual run."""
+    seen = []
+    ids = torch.randint(0, VOCAB - 1, (2, 10))
+    losses = []
+    for low in (False, True):
+        model = parallelize_dlm(tiny_model("sdpa").train(), low_precision_residual=low)
+        model.model.layers[1].register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = _objective()(model, ids, torch.arange(2))
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        losses.append(loss.detach())
+        with torch.no_grad():
+            model(ids)  # no autocast: fp32 throughout
+    assert seen == [torch.float32, torch.float32, torch.bfloat16, torch.float32]
+    torch.testing.assert_close(losses[1], losses[0], rtol=0.02, atol=0)
+    parallelize_dlm(model, low_precision_residual=True)  # applying it twice keeps one hook
+    assert len(model.model.embed_tokens._forward_hooks) == 1

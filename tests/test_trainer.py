@@ -191,5 +191,21 @@ def test_compile_blocks_and_fp8_recipe_go_through_parallelize(tmp_path, monkeypa
     monkeypatch.setattr(parallelize, "parallelize_dlm", lambda model, **kw: calls.append(kw) or model)
     make_trainer(tmp_path / "fp8", fp8_recipe="rowwise")
     make_trainer(tmp_path / "fp8-fast", fp8_recipe="tensorwise", fp8_fast_accum=True)
-    assert calls == [{"float8_recipe": "rowwise", "float8_fast_accum": False, "compile": False},
-                     {"float8_recipe": "tensorwise", "float8_fast_accum": True, "compile": False}]
+    make_trainer(tmp_path / "residual", bf16=True, low_precision_residual=True)
+    off = {"float8_fast_accum": False, "low_precision_residual": False, "compile": False}
+    assert calls == [{**off, "float8_recipe": "rowwise"},
+                     {**off, "float8_recipe": "tensorwise", "float8_fast_accum": True},
+                     {**off, "float8_recipe": None, "low_precision_residual": True}]
+
+
+def test_low_precision_residual_under_the_trainers_bf16_autocast(tmp_path):
+    """bf16=True + low_precision_residual: the decoder layers receive a bf16 residual stream (fp32 without
+    the option, from the fp32 embeddings) and the loss stays finite."""
+    dtypes = {}
+    for low in (False, True):
+        trainer = make_trainer(tmp_path / str(low), max_steps=2, bf16=True, low_precision_residual=low)
+        seen = dtypes.setdefault(low, [])
+        trainer.model.model.layers[1].register_forward_pre_hook(lambda module, args, seen=seen: seen.append(args[0].dtype))
+        trainer.train()
+        assert all(math.isfinite(loss) for loss in trainer.step_losses)
+    assert dtypes == {False: [torch.float32] * 2, True: [torch.bfloat16] * 2}

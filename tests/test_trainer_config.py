@@ -17,7 +17,8 @@ TINY = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
                                          ("t_sampling", "sobol"), ("normalization", "rows"), ("eps", 1.0),
                                          ("random_length_prob", 1.5), ("peak_flops", 0.0), ("t_buckets", -1),
                                          ("eval_mc_num", 0), ("fp8_recipe", "mxfp8-ish"),
-                                         ("fp8_fast_accum", True), ("average_tokens_across_devices", False)])
+                                         ("fp8_fast_accum", True), ("average_tokens_across_devices", False),
+                                         ("low_precision_residual", True)])
 def test_bad_argument_values_name_the_field(tmp_path, field, value):
     with pytest.raises(ValueError, match=f"DLMTrainingArguments.{field} must be"):
         DLMTrainingArguments(output_dir=str(tmp_path), **{field: value})

@@ -39,7 +39,10 @@ def parallelize_dlm(
     float8_recipe: str | None = None,
     float8_min_features: int = 2048,
     float8_fast_accum: bool = False,
+    float8_fsdp_all_gather: bool = False,
+    float8_cast_weights_once: bool = True,
     activation_checkpointing: bool = False,
+    low_precision_residual: bool = False,
     compile: bool = False,
     compile_options: dict | None = None,
     param_dtype: torch.dtype | None = None,
@@ -57,8 +60,14 @@ def parallelize_dlm(
         layer, plus the root for embeddings, final norm and head). Implied by passing `dp_mesh`.
     float8_recipe: None (off), "tensorwise" or "rowwise": torchao float8 training for linears whose in
         and out features are both at least `float8_min_features` (`lm_head` never). Needs an sm_89+ GPU.
-        `float8_fast_accum`: fast accumulation in the backward GEMMs too (`fp8.convert_to_float8`).
+        `float8_fast_accum`: fast accumulation in the backward GEMMs too; `float8_fsdp_all_gather`: with FSDP
+        and "tensorwise", all-gather weights already in float8 (`fp8.convert_to_float8`; then call
+        `fp8.precompute_float8_scales(model)` after every optimizer step).
     activation_checkpointing: recompute each decoder layer in backward (non-reentrant checkpoint).
+    low_precision_residual: under autocast, the embeddings are cast to the autocast dtype, so the residual
+        stream between layers is bf16 rather than fp32 (fp32 weights make it fp32 under autocast). This is
+        what bf16 weights give (FSDP2 `param_dtype=torch.bfloat16`, Megatron-LM's default), without
+        their weight copies; it halves the activation traffic of norms, residual adds and float8 casts.
     compile: `torch.compile` each decoder layer in place, and the masked head's loss chunks;
         `compile_options` go to the layers' `torch.compile` (e.g. `{"mode": "max-autotune-no-cudagraphs"}`).
     param_dtype / reduce_dtype: FSDP2 `MixedPrecisionPolicy`: the dtype parameters are all-gathered and
@@ -78,7 +87,13 @@ def parallelize_dlm(
     # 1. float8: before sharding, so FSDP2 / DTensor wrap the float8 modules' weights
     if float8_recipe is not None:
         convert_to_float8(model, recipe=float8_recipe, min_features=float8_min_features,
-                          fast_accum=float8_fast_accum)
+                          fast_accum=float8_fast_accum, fsdp_all_gather=float8_fsdp_all_gather,
+                          cast_weights_once=float8_cast_weights_once)
+
+    if low_precision_residual:
+        embeddings = model.get_input_embeddings()
+        if getattr(embeddings, "_autocast_output_hook", None) is None:
+            embeddings._autocast_output_hook = embeddings.register_forward_hook(_output_to_autocast_dtype)
 
     # 2. tensor parallel over the decoder layers
     if tp_mesh is not None:
@@ -116,6 +131,13 @@ def parallelize_dlm(
             fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
         fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
     return model
+
+
+def _output_to_autocast_dtype(module, args, output):
+    device_type = output.device.type
+    if torch.is_autocast_enabled(device_type) and output.is_floating_point():
+        return output.to(torch.get_autocast_dtype(device_type))
+    return output
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:

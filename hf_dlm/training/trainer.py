@@ -59,12 +59,12 @@ class DLMTrainer(Trainer):
             if args.dataloader_num_workers > 1:
                 logger.warning("the position of an iterable train dataset is exact with dataloader_num_workers <= 1: "
                                "each worker holds its own copy of the stream")
-        if args.compile_blocks or args.fp8_recipe:
+        if args.compile_blocks or args.fp8_recipe or args.low_precision_residual:
             # before accelerate wraps the model (DDP / FSDP2): torchtitan's order, float8 then compile
             from .parallelize import parallelize_dlm
 
             parallelize_dlm(model, float8_recipe=args.fp8_recipe, float8_fast_accum=args.fp8_fast_accum,
-                            compile=args.compile_blocks)
+                            low_precision_residual=args.low_precision_residual, compile=args.compile_blocks)
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)
         self.objective = objective if objective is not None else args.build_objective(model.config)

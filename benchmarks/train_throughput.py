@@ -63,15 +63,6 @@ SUITES["weights"] = {
     "float8 + FSDP2 float8 all-gather, micro-batch 8": FP8 + " --fsdp --float8-all-gather --mbs 8",
     "FSDP2 on one GPU, micro-batch 8": "--fsdp --mbs 8",
 }
-# float8 weights cast once per forward (hf-dlm's default for tensorwise) against torchao's per-GEMM casts
-SUITES["cast"] = {
-    MAIN: "",
-    "dlm main, micro-batch 8": "--mbs 8",
-    "float8 tensorwise (weights cast once per forward)": "--float8 tensorwise --profile",
-    "float8 tensorwise, fast accumulation (weights cast once per forward)": FP8 + " --profile",
-    "float8 tensorwise, fast accumulation, torchao's per-GEMM weight casts": FP8 + " --float8-cast-per-gemm",
-    "float8 tensorwise, fast accumulation, micro-batch 8": FP8 + " --mbs 8",
-}
 # the residual stream in bf16 (what bf16 weights give) with and without float8
 RES = " --low-precision-residual"
 SUITES["residual"] = {
@@ -121,9 +112,6 @@ def parse_args(argv=None):
     p.add_argument("--float8-fast-accum", action="store_true", help="fast accumulation in backward float8 GEMMs")
     p.add_argument("--float8-all-gather", action="store_true",
                    help="with --fsdp and tensorwise: weights all-gathered in float8, scales precomputed once per step")
-    p.add_argument("--float8-cast-per-gemm", action="store_true",
-                   help="torchao's own weight handling: amax and cast inside every layer's forward and again in "
-                        "backward (default: hf-dlm casts each weight once per forward, scales for all at once)")
     p.add_argument("--float8-skip", nargs="*", default=["lm_head"],
                    help="module names (any dotted part) kept in bf16, e.g. self_attn for float8 in the MLPs only")
     p.add_argument("--fsdp", action="store_true",
@@ -207,8 +195,7 @@ def run_one(a) -> dict:
         from hf_dlm.training.fp8 import convert_to_float8, precompute_float8_scales
 
         convert_to_float8(model, recipe=a.float8, min_features=a.float8_min_features, skip=a.float8_skip,
-                          fast_accum=a.float8_fast_accum, fsdp_all_gather=a.float8_all_gather,
-                          cast_weights_once=not a.float8_cast_per_gemm)
+                          fast_accum=a.float8_fast_accum, fsdp_all_gather=a.float8_all_gather)
     parallelize_dlm(model, activation_checkpointing=a.activation_checkpointing,
                     low_precision_residual=a.low_precision_residual,
                     compile=a.compile == "block", fsdp=a.fsdp, reshard_after_forward=False,

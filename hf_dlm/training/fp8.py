@@ -19,8 +19,6 @@ it is tied to the input embedding in most DLMs.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -61,7 +59,6 @@ def convert_to_float8(
     backend: str = "torchao",
     fast_accum: bool = False,
     fsdp_all_gather: bool = False,
-    cast_weights_once: bool = True,
 ) -> list[str]:
     """Swap `model`'s large linear layers for float8 training layers in place; returns their names.
 
@@ -73,13 +70,9 @@ def convert_to_float8(
     fast_accum: torchao: Hopper's fast float8 accumulation in the backward GEMMs too (torchao uses it for
         the forward GEMM only by default): faster, with less precise gradient sums.
     fsdp_all_gather: torchao, "tensorwise" only: FSDP2 all-gathers the converted weights already cast
-        to float8, so each weight is cast once per step instead of in every forward and backward; call
-        `precompute_float8_scales(model)` after each optimizer step.
-    cast_weights_once: torchao "tensorwise" without `fsdp_all_gather`: each weight is cast to float8 once
-        per forward, with a scale computed for all weights together in one multi-tensor kernel when the
-        model's forward starts, and that float8 weight is reused by the backward GEMM. The numbers are
-        torchao's own (same scales, same casts); torchao instead recomputes each weight's amax and cast
-        inside every layer's forward and again in backward (`cast_weights_once_per_forward`).
+        to float8 (a quarter of fp32's bytes on the wire), with scales for all weights computed at once
+        by `precompute_float8_scales(model)`, to call after each optimizer step. For multi-GPU FSDP2; on
+        one GPU its copies cost about what it saves (benchmarks/RESULTS.md).
     Call it before tensor parallel and FSDP (`parallelize_dlm` does). Float8 GEMMs need a GPU of
     compute capability 8.9 or newer (H100, H200, L40S, B200); on others the swapped layers fail at forward.
     """
@@ -102,81 +95,11 @@ def convert_to_float8(
                 raise ValueError(f"float8 FSDP all-gather needs the 'tensorwise' recipe, not {recipe!r}")
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
         convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
-        if cast_weights_once and recipe == "tensorwise" and not fsdp_all_gather:
-            cast_weights_once_per_forward(model)
     elif backend == "transformer_engine":
         _swap_to_te_linear(model, selected)
     else:
         raise ValueError(f"float8 backend {backend!r} is not one of ('torchao', 'transformer_engine')")
     return selected
-
-
-def cast_weights_once_per_forward(model: nn.Module) -> list[nn.Module]:
-    """Make `model`'s torchao tensorwise float8 linears cast their weights with scales precomputed by a
-    forward pre-hook on the backbone (`model.model` when it holds the layers): one `_foreach_norm` over
-    every float8 weight per forward, all-reduced when the weights are DTensors (FSDP2, tensor parallel).
-    Hand-written because torchao offers this only through FSDP2's float8 all-gather, which costs more than
-    it saves on one GPU (extra copies of every weight; benchmarks/RESULTS.md). Returns the linears."""
-    cast_once_class = _cast_once_linear_class()
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_linear import Float8Linear
-    from torchao.float8.float8_utils import amax_to_scale
-
-    linears = [m for m in model.modules() if isinstance(m, Float8Linear)]
-    if not linears:
-        return []
-    configs = {(m.config.cast_config_weight.target_dtype, m.config.round_scales_to_power_of_2) for m in linears}
-    if len(configs) != 1 or any(m.config.enable_fsdp_float8_all_gather or m.config.cast_config_weight.scaling_granularity
-                                is not ScalingGranularity.TENSORWISE for m in linears):
-        raise ValueError("cast_weights_once_per_forward needs one tensorwise float8 config without FSDP all-gather")
-    (target_dtype, round_to_power_of_2), = configs
-    for linear in linears:
-        if type(linear) is not cast_once_class:
-            linear.__class__ = cast_once_class
-            linear.register_buffer("float8_weight_scale", torch.ones((), device=linear.weight.device),
-                                   persistent=False)
-
-    @torch.no_grad()
-    def refresh_scales():
-        amax = torch.stack(torch._foreach_norm([m.weight for m in linears], ord=math.inf))
-        if hasattr(amax, "full_tensor"):  # DTensor shards: the max over all ranks
-            amax = amax.full_tensor()
-        scales = amax_to_scale(amax, target_dtype, round_to_power_of_2)
-        torch._foreach_copy_([m.float8_weight_scale for m in linears], list(scales.unbind()))
-
-    backbone = model.model if isinstance(getattr(model, "model", None), nn.Module) and hasattr(model.model, "layers") \
-        else model
-    if getattr(backbone, "_float8_scale_hook", None) is not None:  # converted again: one hook, the new list
-        backbone._float8_scale_hook.remove()
-    backbone._float8_scale_hook = backbone.register_forward_pre_hook(lambda module, args: refresh_scales())
-    # for paths that run the layers without calling the backbone (the compiled sampler calls it once)
-    backbone.refresh_float8_weight_scales = refresh_scales
-    return linears
-
-
-@functools.cache
-def _cast_once_linear_class() -> type:
-    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
-    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
-
-    class CastOnceFloat8Linear(Float8Linear):
-        """torchao's Float8Linear, tensorwise, whose weight arrives at the matmul already in float8 (cast
-        with `float8_weight_scale`), so torchao's matmul neither reduces nor casts it again, in forward or
-        backward. The float8 cast passes gradients straight through to the high-precision weight."""
-
-        def forward(self, input: torch.Tensor) -> torch.Tensor:
-            if torch.is_autocast_enabled():  # as torchao's forward: the GPU autocast dtype
-                input = input.to(torch.get_autocast_gpu_dtype())
-            weight = hp_tensor_and_scale_to_float8(
-                self.weight, self.float8_weight_scale, self.config.cast_config_weight.target_dtype,
-                self.linear_mm_config, GemmInputRole.WEIGHT,
-            )
-            output = matmul_with_hp_or_float8_args.apply(input, weight.t(), self.linear_mm_config, self.config)
-            if self.bias is not None:
-                output = output + self.bias.to(output.dtype)
-            return output
-
-    return CastOnceFloat8Linear
 
 
 def precompute_float8_scales(model: nn.Module) -> None:

@@ -40,7 +40,6 @@ def parallelize_dlm(
     float8_min_features: int = 2048,
     float8_fast_accum: bool = False,
     float8_fsdp_all_gather: bool = False,
-    float8_cast_weights_once: bool = True,
     activation_checkpointing: bool = False,
     low_precision_residual: bool = False,
     compile: bool = False,
@@ -87,8 +86,7 @@ def parallelize_dlm(
     # 1. float8: before sharding, so FSDP2 / DTensor wrap the float8 modules' weights
     if float8_recipe is not None:
         convert_to_float8(model, recipe=float8_recipe, min_features=float8_min_features,
-                          fast_accum=float8_fast_accum, fsdp_all_gather=float8_fsdp_all_gather,
-                          cast_weights_once=float8_cast_weights_once)
+                          fast_accum=float8_fast_accum, fsdp_all_gather=float8_fsdp_all_gather)
 
     if low_precision_residual:
         embeddings = model.get_input_embeddings()

@@ -83,7 +83,7 @@ class DLMTrainingArguments(TrainingArguments):
         metadata={"help": "With bf16 (or fp16): the residual stream between decoder layers in that dtype rather than "
                           "fp32 (the embeddings are cast), as bf16 weights would give (FSDP2 param_dtype=bf16, "
                           "Megatron-LM's default). Less activation traffic and memory: measured +1.3% tokens/s in bf16, "
-                          "+1.8% with float8, 1.8 GiB less on an H200 (benchmarks/RESULTS.md)."},
+                          "+1.8% with float8, about 2 GiB less on an H200 (benchmarks/RESULTS.md)."},
     )
     compile_blocks: bool = field(
         default=False,

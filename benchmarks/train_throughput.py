@@ -310,6 +310,8 @@ def profile_step(step_loss, optimizer, a, device, model) -> dict:
     def device_ms(e):
         return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 1e3
 
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
     events = [e for e in prof.key_averages() if device_ms(e) > 0]
     categories, examples = {}, {}
     for e in events:
@@ -323,9 +325,26 @@ def profile_step(step_loss, optimizer, a, device, model) -> dict:
         kernel_ms_by_category={c: round(v, 1) for c, v in sorted(categories.items(), key=lambda kv: -kv[1])},
         top_kernels_by_category={c: [(round(ms, 2), n, k) for ms, n, k in sorted(v, reverse=True)[:12]]
                                  for c, v in examples.items()},
+        **gpu_idle_gaps(kernels),
         attention_kernels=sorted({e.key[:90] for e in events if any(
             k in e.key.lower() for k in ("fmha", "flash", "attn", "attention", "cudnn", "sdpa"))}),
     )
+
+
+def gpu_idle_gaps(kernels, top: int = 8) -> dict:
+    """GPU idle time between the first and last kernel of a step, from (name, start_us, end_us) kernel
+    intervals (overlapping streams merged): the total, and the largest gaps with the kernels around them
+    (the kernel after a gap is what the GPU waited for: a host sync, Python overhead, a launch)."""
+    kernels = sorted(kernels, key=lambda k: k[1])
+    gaps, busy_until, before = [], None, None
+    for name, start, end in kernels:
+        if busy_until is not None and start > busy_until:
+            gaps.append((start - busy_until, before, name))
+        if busy_until is None or end > busy_until:
+            busy_until, before = end, name
+    gaps.sort(key=lambda g: -g[0])
+    return dict(gpu_idle_ms=round(sum(g[0] for g in gaps) / 1e3, 2),
+                largest_gpu_gaps=[(round(us / 1e3, 3), prev[:60], nxt[:60]) for us, prev, nxt in gaps[:top]])
 
 
 def sdpa_bench(a) -> list[dict]:

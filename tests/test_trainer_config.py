@@ -7,6 +7,7 @@ import torch
 
 from hf_dlm.training.collator import DLMDataCollator
 from hf_dlm.training.pretrain import ConfigError, build_trainer, load_config
+from hf_dlm.training.trainer import STAGING_DIR
 from hf_dlm.training.training_args import DLMTrainingArguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +81,7 @@ def test_hf_dlm_train_runs_the_tiny_config_and_saves_a_loadable_model(tmp_path):
     metrics = run_pretraining(TINY, [f"training.output_dir={tmp_path}", "training.max_steps=4", "training.save_steps=2",
                                      "training.eval_steps=4", "training.logging_steps=2", "data.max_files=40"])
     assert metrics["eval_nll_per_token"] > 0 and metrics["train_loss"] > 0
-    assert sorted(os.listdir(tmp_path / "checkpoint-4")) and not os.path.exists(tmp_path / ".checkpoint-staging")
+    assert sorted(os.listdir(tmp_path / "checkpoint-4")) and not os.path.exists(tmp_path / STAGING_DIR)
     model = AutoModelForMaskedLM.from_pretrained(tmp_path / "final")
     assert model.config.hidden_size == 64 and model.config.mask_token_id is not None
 

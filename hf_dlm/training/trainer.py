@@ -8,8 +8,8 @@
   The per-token cross-entropy is read, for free, from the gradient of the loss with respect to the
   per-position weights: d loss / d w_i = CE_i / normaliser.
 - `evaluate`: the ELBO bound (`elbo.elbo_nll`) instead of the training loss.
-- `_save_checkpoint`: atomic (staged in a hidden folder, then renamed), with the data position of the
-  last consumed batch; `train` restores it on resume.
+- `_save_checkpoint`: atomic (staged in `_checkpoint-staging/`, then renamed), with the data position of the
+  last consumed batch; `train` restores it on resume. With `push_to_hub`, the published folder is pushed.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from .training_args import DLMTrainingArguments
 
 logger = logging.get_logger(__name__)
 
-STAGING_DIR = ".checkpoint-staging"  # not matched by get_last_checkpoint's `^checkpoint-\d+$`
+# not matched by get_last_checkpoint's `^checkpoint-\d+$` nor rotation's `checkpoint-*`; the leading "_" is
+# the Trainer's own "never upload" pattern (`ignore_patterns=["_*", ...]` when it pushes output_dir to the Hub)
+STAGING_DIR = "_checkpoint-staging"
 DATA_STATE_NAME = "data_state_rank{rank}.pt"
 OBJECTIVE_NAME = "dlm_objective.json"
 _STATS = "_dlm_stats"  # per-micro-batch statistics riding along in the batch dict
@@ -267,7 +269,7 @@ class DLMTrainer(Trainer):
         return os.path.join(run_dir, STAGING_DIR) if self._staging_root is not None else run_dir
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Write the checkpoint into a hidden staging folder, then rename it into place: a crash while
+        """Write the checkpoint into the staging folder, then rename it into place: a crash while
         saving leaves the previous checkpoints untouched and `get_last_checkpoint` never sees a partial one."""
         start = time.perf_counter()
         run_dir = self._get_output_dir(trial)
@@ -291,10 +293,17 @@ class DLMTrainer(Trainer):
                 state_path = os.path.join(final, "trainer_state.json")
                 self.state.save_to_json(state_path + ".tmp")
                 os.replace(state_path + ".tmp", state_path)
+            if self.args.push_to_hub:  # the parent's upload runs in the background: give it the final folder
+                self._push_from_checkpoint(final)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint)
         self.accelerator.wait_for_everyone()
         self._paused += time.perf_counter() - start
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self._staging_root is not None:
+            return  # called by the parent's save with the staging folder, renamed away before the upload reads it
+        super()._push_from_checkpoint(checkpoint_folder)
 
     def _save_extras(self, checkpoint_dir: str) -> None:
         os.makedirs(checkpoint_dir, exist_ok=True)

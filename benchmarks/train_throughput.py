@@ -74,6 +74,12 @@ SUITES["residual"] = {
     "float8 tensorwise, fast accumulation, bf16 residual stream, micro-batch 8": FP8 + RES + " --mbs 8",
     "float8 tensorwise, bf16 residual stream (default accumulation)": "--float8 tensorwise" + RES,
 }
+# next: where the GPU waits (host syncs, launch overhead) at micro-batch 8, the bf16 target's last gap
+SUITES["idle"] = {
+    MAIN: "",
+    "bf16 residual stream, micro-batch 8": RES + " --mbs 8 --profile",
+    "float8 tensorwise, fast accumulation, bf16 residual stream, micro-batch 8": FP8 + RES + " --mbs 8 --profile",
+}
 SUITES["all"] = {**SUITES["core"], **SUITES["levers"]}
 
 

@@ -188,6 +188,8 @@ def run_one(a) -> dict:
     device = "cpu" if a.tiny else "cuda"
     if a.repeat_kv:
         register_repeat_kv_attention()
+    if a.float8_all_gather and not (a.float8 == "tensorwise" and a.fsdp):
+        raise SystemExit("--float8-all-gather needs --float8 tensorwise and --fsdp")
     model = build_model(a, device)
     n_params = sum(p.numel() for p in model.parameters())
     t_build = time.perf_counter()
@@ -225,6 +227,12 @@ def run_one(a) -> dict:
             return model(**kwargs).loss
 
     step_loss = torch.compile(loss_fn) if a.compile == "step" else loss_fn
+
+    def optimizer_step():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if a.float8_all_gather:  # the next all-gather's float8 scales, all weights at once
+            precompute_float8_scales(model)
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -237,6 +245,7 @@ def run_one(a) -> dict:
     probe = torch.randint(0, a.vocab - 1, (a.mbs, a.seq), device=device)
     changed = probe.clone()
     changed[:, -1] = (changed[:, -1] + 1) % (a.vocab - 1)
+
     def first_position(input_ids):  # through the outer model: FSDP2's root hooks run there
         out = model(input_ids=input_ids, return_logits=False, output_hidden_states=True)
         return out.hidden_states[-1][:, 0].float()
@@ -256,10 +265,7 @@ def run_one(a) -> dict:
         t0 = time.perf_counter()
         loss = step_loss(input_ids, sample_index)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if a.float8_all_gather:
-            precompute_float8_scales(model)
+        optimizer_step()
         sync()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
@@ -275,7 +281,7 @@ def run_one(a) -> dict:
                   bidirectional=bidirectional, graph_breaks=sum(counters["graph_break"].values()))
     if a.profile and device == "cuda":
         try:
-            result.update(profile_step(step_loss, optimizer, a, device, model))
+            result.update(profile_step(step_loss, optimizer_step, a, device))
         except Exception as error:  # the timing above stands even if the profiler fails
             result["profile_error"] = repr(error)[:300]
     return result
@@ -293,7 +299,7 @@ KERNEL_CATEGORIES = (
 )
 
 
-def profile_step(step_loss, optimizer, a, device, model) -> dict:
+def profile_step(step_loss, optimizer_step, a, device) -> dict:
     """One full step (forward, backward, optimizer) under the profiler: GPU time by kernel category, the
     step's wall time, and the attention kernels that ran (which SDPA backend really ran)."""
     import torch
@@ -304,12 +310,7 @@ def profile_step(step_loss, optimizer, a, device, model) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         step_loss(input_ids, torch.arange(a.mbs, device=device)).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if a.float8_all_gather:
-            from hf_dlm.training.fp8 import precompute_float8_scales
-
-            precompute_float8_scales(model)
+        optimizer_step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
 

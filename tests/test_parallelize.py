@@ -77,6 +77,8 @@ def _worker(rank, world_size, init_file, out_file):
         model = parallelize_dlm(tiny_model("sdpa").train(), dp_mesh=mesh, float8_recipe="tensorwise",
                                 float8_min_features=FLOAT8_MIN, float8_fsdp_all_gather=all_gather)
         results[layout] = _train(model, after_step=precompute_float8_scales)
+        local_weight = model.model.layers[0].mlp.up_proj.weight._local_tensor  # which path really ran
+        results[layout + " weight"] = (type(local_weight).__name__, getattr(local_weight, "_precomputed_scale", None))
     # tensor parallel: every rank sees the whole batch, each holds half of the heads and MLP columns
     model = parallelize_dlm(tiny_model("sdpa").train(), tp_mesh=mesh)
     results["tp"] = _train(model)
@@ -120,6 +122,11 @@ def test_two_process_float8_matches_single_process(distributed_results, layout):
     torch.testing.assert_close(torch.stack(losses), torch.stack(reference[0]), rtol=0, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, reference[1][name], rtol=0, atol=1e-6, msg=f"{layout} gradient of {name}")
+    weight_type, precomputed_scale = distributed_results[layout + " weight"]
+    if layout.endswith("all-gather"):  # sharded as torchao's float8-cast weight, its scale set after the step
+        assert weight_type == "WeightWithDynamicFloat8CastTensor" and precomputed_scale is not None
+    else:
+        assert weight_type == "Tensor" and precomputed_scale is None
 
 
 def test_activation_checkpointing_gives_the_same_gradients(reference):

@@ -79,6 +79,34 @@ SUITES["idle"] = {
     MAIN: "",
     "bf16 residual stream, micro-batch 8": RES + " --mbs 8 --profile",
     "float8 tensorwise, fast accumulation, bf16 residual stream, micro-batch 8": FP8 + RES + " --mbs 8 --profile",
+    "bf16 residual stream, micro-batch 8, blocks as CUDA graphs (reduce-overhead)":
+        RES + " --mbs 8 --compile-mode reduce-overhead --profile",
+}
+# delayed scaling (hf_dlm/training/fp8_delayed.py) against torchao's dynamic tensorwise, bf16 residual stream
+DELAYED = "--float8 delayed --float8-fast-accum" + RES
+SUITES["delayed"] = {
+    "bf16 residual stream": RES,
+    "float8 tensorwise (torchao), fast accumulation, bf16 residual stream": FP8 + RES,
+    "float8 delayed, fast accumulation, bf16 residual stream": DELAYED + " --profile",
+    "float8 delayed, bf16 residual stream (default accumulation)": "--float8 delayed" + RES,
+    "bf16 residual stream, micro-batch 8": RES + " --mbs 8",
+    "float8 delayed, fast accumulation, bf16 residual stream, micro-batch 8": DELAYED + " --mbs 8 --profile",
+}
+# the same after the amaxes became row-wise first (one kernel with the cast), with torchao at both batches
+SUITES["delayed2"] = {
+    "bf16 residual stream": RES,
+    "float8 tensorwise (torchao), fast accumulation, bf16 residual stream": FP8 + RES,
+    "float8 delayed, fast accumulation, bf16 residual stream": DELAYED + " --profile",
+    "bf16 residual stream, micro-batch 8": RES + " --mbs 8",
+    "float8 tensorwise (torchao), fast accumulation, bf16 residual stream, micro-batch 8": FP8 + RES + " --mbs 8",
+    "float8 delayed, fast accumulation, bf16 residual stream, micro-batch 8": DELAYED + " --mbs 8 --profile",
+}
+# a repeat, after the history became a ring (two kernels per layer and step instead of five)
+SUITES["delayed3"] = {
+    "bf16 residual stream": RES,
+    "float8 delayed, fast accumulation, bf16 residual stream": DELAYED + " --profile",
+    "bf16 residual stream, micro-batch 8": RES + " --mbs 8",
+    "float8 delayed, fast accumulation, bf16 residual stream, micro-batch 8": DELAYED + " --mbs 8",
 }
 SUITES["all"] = {**SUITES["core"], **SUITES["levers"]}
 
@@ -114,7 +142,8 @@ def parse_args(argv=None):
     p.add_argument("--no-compile-loss", action="store_true",
                    help="keep the masked head's chunks (linear + cross-entropy) eager under --compile block")
     p.add_argument("--no-fused-optimizer", action="store_true", help="foreach AdamW instead of fused")
-    p.add_argument("--float8", default=None, choices=["tensorwise", "rowwise"], help="torchao float8 recipe")
+    p.add_argument("--float8", default=None, choices=["tensorwise", "rowwise", "delayed"],
+                   help="float8 recipe: torchao's tensorwise / rowwise, or hf-dlm's delayed scaling")
     p.add_argument("--float8-fast-accum", action="store_true", help="fast accumulation in backward float8 GEMMs")
     p.add_argument("--float8-all-gather", action="store_true",
                    help="with --fsdp and tensorwise: weights all-gathered in float8, scales precomputed once per step")

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from hf_dlm.training.fp8 import FLOAT8_RECIPES, TRANSFORMER_ENGINE_AVAILABLE, convert_to_float8, float8_module_filter
+from hf_dlm.training.fp8 import TORCHAO_RECIPES, TRANSFORMER_ENGINE_AVAILABLE, convert_to_float8, float8_module_filter
 from hf_dlm.training.parallelize import parallelize_dlm
 from hf_dlm.utils.import_utils import is_torchao_available
 from tests.conftest import VOCAB, tiny_model
@@ -30,7 +30,7 @@ def test_module_filter_skips_small_head_and_odd_dims():
 
 
 @needs_torchao
-@pytest.mark.parametrize("recipe", FLOAT8_RECIPES)
+@pytest.mark.parametrize("recipe", TORCHAO_RECIPES)
 def test_torchao_swaps_the_large_linears(recipe):
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear

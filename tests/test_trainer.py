@@ -192,7 +192,7 @@ def test_compile_blocks_and_fp8_recipe_go_through_parallelize(tmp_path, monkeypa
     make_trainer(tmp_path / "fp8", fp8_recipe="rowwise")
     make_trainer(tmp_path / "fp8-fast", fp8_recipe="tensorwise", fp8_fast_accum=True)
     make_trainer(tmp_path / "residual", bf16=True, low_precision_residual=True)
-    off = {"float8_fast_accum": False, "low_precision_residual": False, "compile": False}
+    off = {"float8_fast_accum": False, "float8_min_features": 2048, "low_precision_residual": False, "compile": False}
     assert calls == [{**off, "float8_recipe": "rowwise"},
                      {**off, "float8_recipe": "tensorwise", "float8_fast_accum": True},
                      {**off, "float8_recipe": None, "low_precision_residual": True}]

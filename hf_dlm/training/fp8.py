@@ -26,7 +26,9 @@ from torch import nn
 
 from ..utils.import_utils import is_transformer_engine_available, require
 
-FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao recipe names
+# torchao's recipe names, and "delayed": hf-dlm's own delayed scaling (fp8_delayed.py), no torchao needed
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+FLOAT8_RECIPES = (*TORCHAO_RECIPES, "delayed")
 DEFAULT_SKIP = ("lm_head",)
 
 
@@ -62,13 +64,16 @@ def convert_to_float8(
 ) -> list[str]:
     """Swap `model`'s large linear layers for float8 training layers in place; returns their names.
 
-    recipe: torchao scaling recipe, "tensorwise" (one scale per tensor, fastest), "rowwise" (one per
-        row, more accurate) or "rowwise_with_gw_hp" (rowwise, weight gradient in high precision). Ignored by the Transformer Engine backend (its recipe goes to `fp8_autocast`).
+    recipe: torchao scaling recipe, "tensorwise" (one scale per tensor), "rowwise" (one per row, more
+        accurate) or "rowwise_with_gw_hp" (rowwise, weight gradient in high precision); or "delayed":
+        tensorwise with scales from the last 16 steps' amaxes (`fp8_delayed`, no torchao needed; the
+        fastest, benchmarks/RESULTS.md). Ignored by the Transformer Engine backend (its recipe goes to
+        `fp8_autocast`).
     min_features: a linear is converted only if both its in and out features are at least this.
     skip: module names (any dotted part) never converted; `lm_head` by default.
     backend: "torchao" or "transformer_engine".
-    fast_accum: torchao: Hopper's fast float8 accumulation in the backward GEMMs too (torchao uses it for
-        the forward GEMM only by default): faster, with less precise gradient sums.
+    fast_accum: Hopper's fast float8 accumulation in the backward GEMMs too (the forward GEMM always
+        uses it): faster, with less precise gradient sums.
     fsdp_all_gather: torchao, "tensorwise" only: FSDP2 all-gathers the converted weights already cast
         to float8 (a quarter of fp32's bytes on the wire), with scales for all weights computed at once
         by `precompute_float8_scales(model)`, to call after each optimizer step. For multi-GPU FSDP2; on
@@ -78,7 +83,13 @@ def convert_to_float8(
     """
     module_filter = float8_module_filter(min_features, skip)
     selected = [name for name, module in model.named_modules() if module_filter(module, name)]
-    if backend == "torchao":
+    if recipe == "delayed" and backend == "torchao":
+        if fsdp_all_gather:
+            raise ValueError("float8 FSDP all-gather needs the 'tensorwise' recipe, not 'delayed'")
+        from .fp8_delayed import convert_to_delayed_float8
+
+        convert_to_delayed_float8(model, selected, fast_accum_backward=fast_accum)
+    elif backend == "torchao":
         if recipe not in FLOAT8_RECIPES:
             raise ValueError(f"float8 recipe {recipe!r} is not one of {FLOAT8_RECIPES}")
         require("torchao", "FP8 training with torchao", "0.10")

@@ -57,8 +57,9 @@ def parallelize_dlm(
         must divide by its size. Not combined with FSDP here (that needs a 2-D mesh; use one or the other).
     fsdp: shard parameters, gradients and optimizer state with FSDP2 `fully_shard` (one unit per decoder
         layer, plus the root for embeddings, final norm and head). Implied by passing `dp_mesh`.
-    float8_recipe: None (off), "tensorwise" or "rowwise": torchao float8 training for linears whose in
-        and out features are both at least `float8_min_features` (`lm_head` never). Needs an sm_89+ GPU.
+    float8_recipe: None (off), a torchao recipe ("tensorwise", "rowwise") or "delayed" (hf-dlm's delayed
+        scaling, `fp8_delayed`): float8 training for linears whose in and out features are both at least
+        `float8_min_features` (`lm_head` never). Needs an sm_89+ GPU; "delayed" is not combined with tp_mesh.
         `float8_fast_accum`: fast accumulation in the backward GEMMs too; `float8_fsdp_all_gather`: with FSDP
         and "tensorwise", all-gather weights already in float8 (`fp8.convert_to_float8`; then call
         `fp8.precompute_float8_scales(model)` after every optimizer step).
@@ -82,6 +83,10 @@ def parallelize_dlm(
             "parallelize_dlm: tp_mesh together with FSDP needs a 2-D mesh with DTensor-aware norms, "
             "which is not built yet; use tensor parallel or FSDP"
         )
+
+    if float8_recipe == "delayed" and tp_mesh is not None:
+        raise NotImplementedError("parallelize_dlm: float8_recipe='delayed' does not take DTensor weights; "
+                                  "with tp_mesh use a torchao recipe ('tensorwise' or 'rowwise')")
 
     # 1. float8: before sharding, so FSDP2 / DTensor wrap the float8 modules' weights
     if float8_recipe is not None:

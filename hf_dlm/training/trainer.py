@@ -66,6 +66,7 @@ class DLMTrainer(Trainer):
             from .parallelize import parallelize_dlm
 
             parallelize_dlm(model, float8_recipe=args.fp8_recipe, float8_fast_accum=args.fp8_fast_accum,
+                            float8_min_features=args.fp8_min_features,
                             low_precision_residual=args.low_precision_residual, compile=args.compile_blocks)
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)

@@ -69,8 +69,14 @@ class DLMTrainingArguments(TrainingArguments):
     # -- parallelisation (applied through hf_dlm.training.parallelize) ----------------------------
     fp8_recipe: str | None = field(
         default=None,
-        metadata={"help": f"torchao float8 training recipe for the linear layers, one of {FP8_RECIPES}, applied "
-                          "before sharding by hf_dlm.training.parallelize. None: bf16/fp32 linears."},
+        metadata={"help": f"Float8 training recipe for the linear layers, one of {FP8_RECIPES} (torchao's, or "
+                          "'delayed': hf-dlm's delayed scaling, no torchao needed), applied before sharding by "
+                          "hf_dlm.training.parallelize. None: bf16/fp32 linears."},
+    )
+    fp8_min_features: int = field(
+        default=2048,
+        metadata={"help": "With fp8_recipe: only linears whose in and out features are both at least this go to "
+                          "float8 (smaller GEMMs do not repay their casts); multiples of 16 only, lm_head never."},
     )
     fp8_fast_accum: bool = field(
         default=False,
@@ -136,6 +142,8 @@ class DLMTrainingArguments(TrainingArguments):
         if not self.average_tokens_across_devices:
             # DLMTrainer always normalises by the global number of supervised items (exact accumulation)
             fail("average_tokens_across_devices", "True (the loss is normalised over all ranks)")
+        if self.fp8_min_features < 16:
+            fail("fp8_min_features", "at least 16 (float8 GEMMs need dimensions of 16 or more)")
         if self.fp8_fast_accum and self.fp8_recipe is None:
             fail("fp8_fast_accum", "False unless fp8_recipe is set")
         if self.low_precision_residual and not (self.bf16 or self.fp16):

@@ -172,3 +172,29 @@ def test_trainer_trains_with_the_delayed_recipe(tmp_path):
     trainer.train()
     assert (layer.amax_history[:, :4] > 0).all() and (layer.amax_history[:, 4:] == 0).all()
     torch.testing.assert_close(torch.tensor(trainer.step_losses), torch.tensor(plain.step_losses), rtol=0.05, atol=0)
+
+
+def test_trainer_resume_restores_the_amax_histories(tmp_path):
+    """6 steps straight equal 3 + resume + 3 with fp8_recipe='delayed': the checkpoint holds the
+    histories (without them the resumed first step would scale dynamically and the losses would differ)."""
+    from hf_dlm.training.fp8_delayed import float8_state_dict, load_float8_state_dict
+    from hf_dlm.training.trainer import FLOAT8_STATE_NAME
+    from tests.trainer_utils import StopAfter, flat_params, make_trainer
+
+    common = dict(max_steps=6, save_strategy="steps", save_steps=3, fp8_recipe="delayed", fp8_min_features=16)
+    straight = make_trainer(tmp_path / "straight", **common)
+    straight.train()
+    first = make_trainer(tmp_path / "split", **common)
+    first.add_callback(StopAfter(3))
+    first.train()
+    assert (tmp_path / "split" / "checkpoint-3" / FLOAT8_STATE_NAME.format(rank=0)).is_file()
+    resumed = make_trainer(tmp_path / "split", model_seed=1, **common)
+    resumed.train(resume_from_checkpoint=True)
+    torch.testing.assert_close(torch.tensor(first.step_losses + resumed.step_losses, dtype=torch.float64),
+                               torch.tensor(straight.step_losses, dtype=torch.float64), rtol=0, atol=1e-6)
+    torch.testing.assert_close(flat_params(resumed.model), flat_params(straight.model), rtol=0, atol=1e-6)
+    # a state saved from another conversion is refused, naming the layers
+    state = float8_state_dict(resumed.model)
+    state.pop(next(iter(state)))
+    with pytest.raises(KeyError, match="missing"):
+        load_float8_state_dict(resumed.model, state)

@@ -204,3 +204,25 @@ def convert_to_delayed_float8(model: nn.Module, names: list[str], history_len: i
             owner = f"{parent_name}.{group[0]}" if parent_name else group[0]
             if child in group[1:] and owner in converted:
                 layer.share_input_scale_with(converted[owner])
+
+
+def float8_state_dict(model: nn.Module) -> dict:
+    """The amax histories of `model`'s delayed-scaling layers, by module name (empty without such layers):
+    what a checkpoint needs, beyond the weights, for a resumed run to scale exactly as the uninterrupted one."""
+    return {name: {"amax_history": module.amax_history.detach().cpu().clone(), "step": module._history_step,
+                   "ready": module.scales_ready}
+            for name, module in model.named_modules() if isinstance(module, DelayedFloat8Linear)}
+
+
+def load_float8_state_dict(model: nn.Module, state: dict) -> None:
+    """Restore `float8_state_dict`'s output into a model converted the same way; a name that is missing
+    on either side is an error naming it."""
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, DelayedFloat8Linear)}
+    if set(layers) != set(state):
+        missing, unexpected = sorted(set(layers) - set(state)), sorted(set(state) - set(layers))
+        raise KeyError(f"float8 state does not match the model's delayed-scaling layers: missing {missing[:3]}, "
+                       f"unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for name, module in layers.items():
+            module.amax_history.copy_(state[name]["amax_history"])
+            module._history_step, module.scales_ready = state[name]["step"], state[name]["ready"]

@@ -27,6 +27,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from transformers.utils import logging
 
 from .collator import DATA_STATE_KEY, DLMDataCollator
+from .fp8_delayed import float8_state_dict, load_float8_state_dict
 from .elbo import elbo_nll
 from .objective import MaskedDiffusionObjective
 from .training_args import DLMTrainingArguments
@@ -38,6 +39,7 @@ logger = logging.get_logger(__name__)
 STAGING_DIR = "_checkpoint-staging"
 DATA_STATE_NAME = "data_state_rank{rank}.pt"
 OBJECTIVE_NAME = "dlm_objective.json"
+FLOAT8_STATE_NAME = "float8_state_rank{rank}.pt"  # delayed-scaling amax histories (each rank sees its own data)
 _STATS = "_dlm_stats"  # per-micro-batch statistics riding along in the batch dict
 
 
@@ -310,6 +312,9 @@ class DLMTrainer(Trainer):
         os.makedirs(checkpoint_dir, exist_ok=True)
         if self._data_state is not None:
             torch.save(self._data_state, os.path.join(checkpoint_dir, DATA_STATE_NAME.format(rank=self.args.process_index)))
+        float8_state = float8_state_dict(self.accelerator.unwrap_model(self.model))
+        if float8_state:
+            torch.save(float8_state, os.path.join(checkpoint_dir, FLOAT8_STATE_NAME.format(rank=self.args.process_index)))
         if self.args.should_save:
             with open(os.path.join(checkpoint_dir, OBJECTIVE_NAME), "w") as f:
                 json.dump(self.objective.to_dict(), f, indent=2)
@@ -329,6 +334,10 @@ class DLMTrainer(Trainer):
                 self._data_state = None
                 if isinstance(self.train_dataset, IterableDataset):
                     self.args.ignore_data_skip = True
+        if resume_from_checkpoint:
+            path = os.path.join(resume_from_checkpoint, FLOAT8_STATE_NAME.format(rank=self.args.process_index))
+            if os.path.isfile(path):
+                load_float8_state_dict(self.accelerator.unwrap_model(self.model), torch.load(path, weights_only=True))
         self._reset_window()
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,

@@ -79,6 +79,11 @@ def _worker(rank, world_size, init_file, out_file):
         results[layout] = _train(model, after_step=precompute_float8_scales)
         local_weight = model.model.layers[0].mlp.up_proj.weight._local_tensor  # which path really ran
         results[layout + " weight"] = (type(local_weight).__name__, getattr(local_weight, "_precomputed_scale", None))
+    # hf-dlm's delayed float8 under FSDP2: scales from the amax history, which each rank keeps itself
+    model = parallelize_dlm(tiny_model("sdpa").train(), dp_mesh=mesh, float8_recipe="delayed",
+                            float8_min_features=FLOAT8_MIN)
+    results["fsdp+float8 delayed"] = _train(model)
+    results["fsdp+float8 delayed weight"] = (type(model.model.layers[0].mlp.up_proj.weight._local_tensor).__name__, None)
     # tensor parallel: every rank sees the whole batch, each holds half of the heads and MLP columns
     model = parallelize_dlm(tiny_model("sdpa").train(), tp_mesh=mesh)
     results["tp"] = _train(model)
@@ -112,11 +117,13 @@ def test_two_process_matches_single_process(distributed_results, reference, layo
     assert ref_grads["model.layers.0.self_attn.q_norm.weight"].abs().sum() > 0  # the TP norm hook has work to do
 
 
-@pytest.mark.parametrize("layout", ["fsdp+float8", "fsdp+float8 all-gather"])
+@pytest.mark.parametrize("layout", ["fsdp+float8", "fsdp+float8 all-gather", "fsdp+float8 delayed"])
 def test_two_process_float8_matches_single_process(distributed_results, layout):
     """Float8 under FSDP2, with weights cast after the all-gather or all-gathered in float8 with scales
-    precomputed after each optimizer step: the single process's numbers, within 1e-6."""
-    reference = _train(parallelize_dlm(tiny_model("sdpa").train(), float8_recipe="tensorwise",
+    precomputed after each optimizer step, or hf-dlm's delayed scaling: the single process's numbers,
+    within 1e-6."""
+    recipe = "delayed" if layout.endswith("delayed") else "tensorwise"
+    reference = _train(parallelize_dlm(tiny_model("sdpa").train(), float8_recipe=recipe,
                                        float8_min_features=FLOAT8_MIN))
     losses, grads = distributed_results[layout]
     torch.testing.assert_close(torch.stack(losses), torch.stack(reference[0]), rtol=0, atol=1e-6)

@@ -123,6 +123,10 @@ def test_conversion_shares_input_scales_and_keeps_checkpoints_plain():
     plain.load_state_dict(model.state_dict())
     with pytest.raises(ValueError, match="tensorwise"):
         convert_to_float8(_model(), recipe="delayed", min_features=16, fsdp_all_gather=True)
+    assert not mlp.up_proj.fast_accum_backward
+    fast = _model()
+    convert_to_float8(fast, recipe="delayed", min_features=16, fast_accum=True)
+    assert all(m.fast_accum_backward for m in fast.modules() if isinstance(m, DelayedFloat8Linear))
 
 
 def _train(model, steps, ids, labels):

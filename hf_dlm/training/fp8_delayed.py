@@ -105,7 +105,7 @@ class DelayedFloat8Linear(nn.Linear):
     so a checkpoint loads into a plain model and a resumed run starts its history afresh."""
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
-                 history_len: int = 16, fast_accum_backward: bool = True):
+                 history_len: int = 16, fast_accum_backward: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if in_features % 16 or out_features % 16:
             raise ValueError(f"float8 linear layers need in and out features divisible by 16, got "
@@ -187,7 +187,7 @@ class DelayedFloat8Linear(nn.Linear):
 
 
 def convert_to_delayed_float8(model: nn.Module, names: list[str], history_len: int = 16,
-                              fast_accum_backward: bool = True) -> None:
+                              fast_accum_backward: bool = False) -> None:
     """Swap the named `nn.Linear`s of `model` for `DelayedFloat8Linear` in place (same parameters), and
     let siblings that read the same input (`SHARED_INPUT_GROUPS`) share its scale."""
     converted = {}

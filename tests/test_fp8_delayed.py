@@ -86,6 +86,18 @@ def test_gradient_scale_comes_from_the_history():
     torch.testing.assert_close(x.grad, g @ w_q, rtol=1e-5, atol=1e-5)
 
 
+def test_frozen_weight_gets_no_gradient_but_the_input_does():
+    _, layer = make_layer(seed=3)
+    layer.weight.requires_grad_(False)  # as under LoRA
+    x = torch.randn(16, 32, requires_grad=True)
+    grad_out = torch.randn(16, 48)
+    layer(x).backward(grad_out)
+    w = layer.weight
+    expected = quantize(grad_out, grad_out.abs().max(), E5M2, MAX5) @ quantize(w, w.abs().max(), E4M3, MAX4)
+    torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-5)
+    assert layer.weight.grad is None and layer.scales_ready  # the step is still recorded
+
+
 def test_evaluation_forward_records_nothing():
     _, layer = make_layer()
     with torch.no_grad():

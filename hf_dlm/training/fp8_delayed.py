@@ -89,14 +89,19 @@ class _DelayedFloat8Linear(torch.autograd.Function):
             g_scale = _scale(g_amax, E5M2)
         g8 = _to_float8(_pad_rows(grad), g_scale, E5M2)
         g_inverse = g_scale.reciprocal()
-        # cuBLASLt float8 GEMMs take A row-major and B column-major: hence the transposed copies
-        grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=g_inverse, scale_b=w_scale.reciprocal(),
-                                  out_dtype=x_dtype if x_dtype in (torch.bfloat16, torch.float32) else torch.float32,
-                                  use_fast_accum=fast)
-        grad_w = torch._scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), scale_a=g_inverse,
-                                  scale_b=x_scale.reciprocal(), out_dtype=torch.float32, use_fast_accum=fast)
-        grad_x = grad_x[: grad.shape[0]].reshape(x_shape).to(x_dtype)
-        return grad_x, grad_w.to(w_dtype), None, None, None, g_amax, None, None
+        # cuBLASLt float8 GEMMs take A row-major and B column-major: hence the transposed copies.
+        # Only the gradients autograd asks for (a frozen weight, e.g. under LoRA, skips its GEMM).
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=g_inverse, scale_b=w_scale.reciprocal(),
+                                      out_dtype=x_dtype if x_dtype in (torch.bfloat16, torch.float32) else torch.float32,
+                                      use_fast_accum=fast)
+            grad_x = grad_x[: grad.shape[0]].reshape(x_shape).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch._scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), scale_a=g_inverse,
+                                      scale_b=x_scale.reciprocal(), out_dtype=torch.float32, use_fast_accum=fast)
+            grad_w = grad_w.to(w_dtype)
+        return grad_x, grad_w, None, None, None, g_amax, None, None
 
 
 class DelayedFloat8Linear(nn.Linear):

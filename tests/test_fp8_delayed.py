@@ -165,6 +165,10 @@ def test_compiled_training_equals_eager_and_stays_close_to_high_precision():
     layer = compiled.model.layers[1].mlp.down_proj
     assert layer.scales_ready and (layer.amax_history[:, :4] > 0).all() and (layer.amax_history[:, 4:] == 0).all()
     torch.testing.assert_close(compiled_losses, eager_losses, rtol=1e-4, atol=1e-4)
+    # activation checkpointing recomputes each layer's forward in backward: the same numbers again
+    checkpointed = parallelize_dlm(_model().train(), float8_recipe="delayed", float8_min_features=16, compile=True,
+                                   activation_checkpointing=True)
+    torch.testing.assert_close(_train(checkpointed, 4, ids, labels), eager_losses, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(eager_losses, reference, rtol=0.05, atol=0)
     assert compiled_losses[-1] < compiled_losses[0]  # it trains
     if is_torchao_available():  # the first step scales dynamically: torchao's tensorwise recipe, exactly

@@ -81,7 +81,7 @@ class DLMTrainingArguments(TrainingArguments):
     fp8_fast_accum: bool = field(
         default=False,
         metadata={"help": "With fp8_recipe: fast float8 accumulation in the backward GEMMs too (the forward GEMM "
-                          "always uses it). Measured 2-6% faster on an H200 (benchmarks/RESULTS.md), with less "
+                          "always uses it). Measured 2-5% faster on an H200 (benchmarks/RESULTS.md), with less "
                           "precise gradient sums."},
     )
     low_precision_residual: bool = field(

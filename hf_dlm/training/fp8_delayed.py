@@ -15,8 +15,9 @@ step, with no history yet, scales dynamically; later steps never wait for an ama
 
 Bookkeeping: the forward writes the current input and weight amaxes to `amax_pending`; the backward
 returns the output gradient's amax as the "gradient" of `grad_amax_sink` (a scalar buffer that requires
-grad: the only way out of a compiled backward), and a hook on it, run once that gradient has been
-accumulated, writes all three into `amax_history` (a ring of `history_len` steps). A forward without backward (evaluation) records nothing.
+grad: a compiled backward hands out gradients, where mutating a buffer inside it is not supported), and
+a hook on it, run once that gradient has been accumulated, writes all three into `amax_history` (a ring
+of `history_len` steps). A forward without backward (evaluation) records nothing.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ class _DelayedFloat8Linear(torch.autograd.Function):
 class DelayedFloat8Linear(nn.Linear):
     """`nn.Linear` computed in float8 with delayed scaling (module docstring). Same parameters and
     state-dict keys as the `nn.Linear` it replaces; the amax bookkeeping lives in non-persistent buffers,
-    so a checkpoint loads into a plain model and a resumed run starts its history afresh."""
+    so a checkpoint loads into a plain model. `float8_state_dict` (saved by DLMTrainer's checkpoints)
+    carries the histories for an exact resume."""
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
                  history_len: int = 16, fast_accum_backward: bool = False):

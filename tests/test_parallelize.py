@@ -83,7 +83,9 @@ def _worker(rank, world_size, init_file, out_file):
     model = parallelize_dlm(tiny_model("sdpa").train(), dp_mesh=mesh, float8_recipe="delayed",
                             float8_min_features=FLOAT8_MIN)
     results["fsdp+float8 delayed"] = _train(model)
-    results["fsdp+float8 delayed weight"] = (type(model.model.layers[0].mlp.up_proj.weight._local_tensor).__name__, None)
+    up_proj = model.model.layers[0].mlp.up_proj  # the history filled: step 2 scaled from it
+    results["fsdp+float8 delayed weight"] = (type(up_proj.weight._local_tensor).__name__,
+                                             up_proj.scales_ready and bool((up_proj.amax_history[:, :STEPS] > 0).all()))
     # tensor parallel: every rank sees the whole batch, each holds half of the heads and MLP columns
     model = parallelize_dlm(tiny_model("sdpa").train(), tp_mesh=mesh)
     results["tp"] = _train(model)
@@ -132,6 +134,8 @@ def test_two_process_float8_matches_single_process(distributed_results, layout):
     weight_type, precomputed_scale = distributed_results[layout + " weight"]
     if layout.endswith("all-gather"):  # sharded as torchao's float8-cast weight, its scale set after the step
         assert weight_type == "WeightWithDynamicFloat8CastTensor" and precomputed_scale is not None
+    elif layout.endswith("delayed"):  # here the second entry says the amax history was recorded
+        assert weight_type == "Tensor" and precomputed_scale is True
     else:
         assert weight_type == "Tensor" and precomputed_scale is None
 

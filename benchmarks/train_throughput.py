@@ -108,6 +108,13 @@ SUITES["delayed3"] = {
     "bf16 residual stream, micro-batch 8": RES + " --mbs 8",
     "float8 delayed, fast accumulation, bf16 residual stream, micro-batch 8": DELAYED + " --mbs 8",
 }
+# the next session's one call: every target's row in the same run (about 5 minutes with the compiled baseline)
+SUITES["headline"] = {
+    "bf16 residual stream": RES,
+    "float8 delayed, fast accumulation, bf16 residual stream": DELAYED,
+    "bf16 residual stream, micro-batch 8": RES + " --mbs 8",
+    "float8 delayed, fast accumulation, bf16 residual stream, micro-batch 8": DELAYED + " --mbs 8",
+}
 SUITES["all"] = {**SUITES["core"], **SUITES["levers"]}
 
 

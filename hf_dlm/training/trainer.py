@@ -27,8 +27,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from transformers.utils import logging
 
 from .collator import DATA_STATE_KEY, DLMDataCollator
-from .fp8_delayed import float8_state_dict, load_float8_state_dict
 from .elbo import elbo_nll
+from .fp8_delayed import float8_state_dict, load_float8_state_dict
 from .objective import MaskedDiffusionObjective
 from .training_args import DLMTrainingArguments
 

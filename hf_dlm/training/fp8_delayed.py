@@ -118,26 +118,25 @@ class DelayedFloat8Linear(nn.Linear):
             raise ValueError(f"float8 linear layers need in and out features divisible by 16, got "
                              f"({in_features}, {out_features})")
         self.history_len, self.fast_accum_backward = history_len, fast_accum_backward
-        self.register_buffer("amax_history", torch.zeros(3, history_len, device=device), persistent=False)
-        self.register_buffer("amax_pending", torch.zeros(3, device=device), persistent=False)
-        self.register_buffer("grad_amax_sink", torch.zeros((), device=device, requires_grad=True),
-                             persistent=False)
         self.scales_ready = False  # a Python flag: torch.compile guards on it and recompiles once
         self._history_step = 0
         object.__setattr__(self, "_input_owner", None)  # a sibling whose input scale this one shares
         self._hooked_sink = None
+        self._init_bookkeeping(self.weight.device)
+
+    def _init_bookkeeping(self, device) -> None:
+        self.register_buffer("amax_history", torch.zeros(3, self.history_len, device=device), persistent=False)
+        self.register_buffer("amax_pending", torch.zeros(3, device=device), persistent=False)
+        self.register_buffer("grad_amax_sink", torch.zeros((), device=device, requires_grad=True), persistent=False)
         self._hook_sink()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "DelayedFloat8Linear":
+        """The layer over `linear`'s own parameters (built on the meta device: no second weight allocated)."""
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kwargs)
         new.weight, new.bias = linear.weight, linear.bias
-        device = linear.weight.device
-        new.amax_history = torch.zeros(3, new.history_len, device=device)
-        new.amax_pending = torch.zeros(3, device=device)
-        new.grad_amax_sink = torch.zeros((), device=device, requires_grad=True)
-        new._hook_sink()
+        new._init_bookkeeping(linear.weight.device)
         return new
 
     def share_input_scale_with(self, owner: "DelayedFloat8Linear") -> None:

@@ -308,13 +308,16 @@ class DLMTrainer(Trainer):
             return  # called by the parent's save with the staging folder, renamed away before the upload reads it
         super()._push_from_checkpoint(checkpoint_folder)
 
+    def _rank_file(self, checkpoint_dir: str, name: str) -> str:
+        return os.path.join(checkpoint_dir, name.format(rank=self.args.process_index))
+
     def _save_extras(self, checkpoint_dir: str) -> None:
         os.makedirs(checkpoint_dir, exist_ok=True)
         if self._data_state is not None:
-            torch.save(self._data_state, os.path.join(checkpoint_dir, DATA_STATE_NAME.format(rank=self.args.process_index)))
+            torch.save(self._data_state, self._rank_file(checkpoint_dir, DATA_STATE_NAME))
         float8_state = float8_state_dict(self.accelerator.unwrap_model(self.model))
         if float8_state:
-            torch.save(float8_state, os.path.join(checkpoint_dir, FLOAT8_STATE_NAME.format(rank=self.args.process_index)))
+            torch.save(float8_state, self._rank_file(checkpoint_dir, FLOAT8_STATE_NAME))
         if self.args.should_save:
             with open(os.path.join(checkpoint_dir, OBJECTIVE_NAME), "w") as f:
                 json.dump(self.objective.to_dict(), f, indent=2)
@@ -328,14 +331,14 @@ class DLMTrainer(Trainer):
                 raise ValueError(f"no valid checkpoint found in output_dir {self.args.output_dir!r}")
         restore_skip = self.args.ignore_data_skip
         if resume_from_checkpoint and hasattr(self.train_dataset, "load_state_dict"):
-            path = os.path.join(resume_from_checkpoint, DATA_STATE_NAME.format(rank=self.args.process_index))
+            path = self._rank_file(resume_from_checkpoint, DATA_STATE_NAME)
             if os.path.isfile(path):
                 self.train_dataset.load_state_dict(torch.load(path, weights_only=True))
                 self._data_state = None
                 if isinstance(self.train_dataset, IterableDataset):
                     self.args.ignore_data_skip = True
         if resume_from_checkpoint:
-            path = os.path.join(resume_from_checkpoint, FLOAT8_STATE_NAME.format(rank=self.args.process_index))
+            path = self._rank_file(resume_from_checkpoint, FLOAT8_STATE_NAME)
             if os.path.isfile(path):
                 load_float8_state_dict(self.accelerator.unwrap_model(self.model), torch.load(path, weights_only=True))
         self._reset_window()

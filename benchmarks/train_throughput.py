@@ -115,6 +115,13 @@ SUITES["headline"] = {
     "bf16 residual stream, micro-batch 8": RES + " --mbs 8",
     "float8 delayed, fast accumulation, bf16 residual stream, micro-batch 8": DELAYED + " --mbs 8",
 }
+# the call after "headline": micro-batch 12 (the largest bf16 fits in memory) and torchao's recipe for reference
+SUITES["batch12"] = {
+    "bf16 residual stream": RES,
+    "float8 tensorwise (torchao), fast accumulation, bf16 residual stream": FP8 + RES,
+    "bf16 residual stream, micro-batch 12": RES + " --mbs 12",
+    "float8 delayed, fast accumulation, bf16 residual stream, micro-batch 12": DELAYED + " --mbs 12",
+}
 SUITES["all"] = {**SUITES["core"], **SUITES["levers"]}
 
 

@@ -9,27 +9,15 @@ launched. Same as `hf-dlm train CONFIG` in one process.
 """
 
 import argparse
-import json
 import sys
 
-from hf_dlm.training.pretrain import ConfigError, run_pretraining
+from hf_dlm.commands.train import add_arguments, run
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML file with sections model, data, training")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config entry, e.g. --set training.max_steps=10 (repeatable)")
-    parser.add_argument("--json", action="store_true", help="print the final metrics as one JSON line")
-    args = parser.parse_args()
-    try:
-        metrics = run_pretraining(args.config, args.overrides)
-    except ConfigError as error:
-        print(f"pretrain.py: {error}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(metrics))
-    return 0
+    add_arguments(parser, config_flag="--config")
+    return run(parser.parse_args(), prog="pretrain.py")
 
 
 if __name__ == "__main__":

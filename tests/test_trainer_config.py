@@ -66,11 +66,34 @@ def test_bad_config_entries_name_the_file_and_field(tmp_path, text, message):
 def test_set_overrides_and_the_cli_reports_config_errors(tmp_path, capsys):
     from hf_dlm.cli import main
 
-    config = load_config(TINY, ["training.max_steps=3", "data.seq_len=32"])
+    config = load_config(TINY, ["training.max_steps=3", "data.seq_len=32", "training.eval_strategy=no",
+                                "training.use_cpu=True"])
     assert config["training"]["max_steps"] == 3 and config["data"]["seq_len"] == 32
+    # YAML 1.2 booleans: `no` stays the string TrainingArguments expects (PyYAML's 1.1 default makes it False)
+    assert config["training"]["eval_strategy"] == "no" and config["training"]["use_cpu"] is True
+    with pytest.raises(ConfigError, match="training.x=\\[1': the value is not valid YAML"):
+        load_config(TINY, ["training.x=[1"])
     path = _write(tmp_path, "training:\n  max_step: 3\n")
     assert main(["train", path]) == 2
     assert "training.max_step is not a DLMTrainingArguments field" in capsys.readouterr().err  # errors go to stderr
+
+
+def test_the_example_script_trains_and_reports_bad_configs_under_its_own_name(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(ROOT, "examples", "pretrain.py")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, script, "--config", TINY, "--json", "--set", "training.max_steps=2",
+                          "--set", f"training.output_dir={tmp_path / 'run'}", "--set", "training.eval_strategy=no"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    metrics = json.loads(out.stdout.strip().splitlines()[-1])
+    assert metrics["global_step"] == 2 and (tmp_path / "run" / "final" / "config.json").exists()
+    bad = _write(tmp_path, "training:\n  max_step: 3\n")
+    out = subprocess.run([sys.executable, script, "--config", bad], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2 and "pretrain.py: " in out.stderr and "training.max_step" in out.stderr
 
 
 def test_hf_dlm_train_runs_the_tiny_config_and_saves_a_loadable_model(tmp_path):

@@ -7,20 +7,25 @@ import json
 import sys
 
 
-def add_arguments(parser):
-    parser.add_argument("config", help="YAML file with sections model, data, training (see examples/configs/)")
+def add_arguments(parser, config_flag: str | None = None):
+    """`config_flag` ("--config" in examples/pretrain.py) makes the YAML path a required option."""
+    help_text = "YAML file with sections model, data, training (see examples/configs/)"
+    if config_flag:
+        parser.add_argument(config_flag, dest="config", required=True, help=help_text)
+    else:
+        parser.add_argument("config", help=help_text)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config entry, e.g. --set training.max_steps=10 (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the final metrics as one JSON line")
 
 
-def run(args) -> int:
+def run(args, prog: str = "hf-dlm train") -> int:
     from ..training.pretrain import ConfigError, run_pretraining
 
     try:
         metrics = run_pretraining(args.config, args.overrides)
     except ConfigError as error:
-        print(f"hf-dlm train: {error}", file=sys.stderr)
+        print(f"{prog}: {error}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(metrics))

@@ -14,7 +14,9 @@ errors that name the file and the field.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import re
 from typing import Callable
 
 import torch
@@ -29,13 +31,31 @@ class ConfigError(ValueError):
     pass
 
 
+@functools.lru_cache(maxsize=1)
+def _yaml_loader():
+    """A safe loader with YAML 1.2 booleans. PyYAML follows YAML 1.1, where `no`, `off`, `yes` and `on`
+    are booleans too, so `eval_strategy: no` (or `--set training.save_strategy=no`) would reach
+    TrainingArguments as False."""
+    import yaml
+
+    bool_tag = "tag:yaml.org,2002:bool"
+
+    class Yaml12Loader(yaml.SafeLoader):
+        yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag != bool_tag]
+                                   for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+    Yaml12Loader.add_implicit_resolver(bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    return Yaml12Loader
+
+
 def load_config(path: str, overrides: list[str] | None = None) -> dict:
     require("yaml", "reading training configs")
     import yaml
 
+    loader = _yaml_loader()
     try:
         with open(path) as f:
-            config = yaml.safe_load(f) or {}
+            config = yaml.load(f, Loader=loader) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from None
     if not isinstance(config, dict):
@@ -45,7 +65,10 @@ def load_config(path: str, overrides: list[str] | None = None) -> dict:
         section, dot, name = key.partition(".")
         if not sep or not dot:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
-        config.setdefault(section, {})[name] = yaml.safe_load(value)
+        try:
+            config.setdefault(section, {})[name] = yaml.load(value, Loader=loader)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {error}") from None
     unknown = sorted(set(config) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {unknown}; expected {list(SECTIONS)}")
@@ -287,7 +310,7 @@ def run_pretraining(path: str, overrides: list[str] | None = None) -> dict:
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
         resume = True
     result = trainer.train(resume_from_checkpoint=resume or None)
-    metrics = dict(result.metrics)
+    metrics = dict(result.metrics, global_step=result.global_step)
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
     trainer.save_model(os.path.join(trainer.args.output_dir, "final"))

@@ -122,15 +122,6 @@ SUITES["batch12"] = {
     "bf16 residual stream, micro-batch 12": RES + " --mbs 12",
     "float8 delayed, fast accumulation, bf16 residual stream, micro-batch 12": DELAYED + " --mbs 12",
 }
-# the delayed recipe's float8 transposes: folded by Inductor into the producing reduction kernels, or a
-# separate tiled Triton kernel (fp8_transpose.py)
-SUITES["transpose"] = {
-    "bf16 residual stream": RES,
-    "float8 delayed, fast accumulation, bf16 residual stream": DELAYED + " --profile",
-    "float8 delayed, Triton transposes": DELAYED + " --float8-triton-transpose --profile",
-    "bf16 residual stream, micro-batch 8": RES + " --mbs 8",
-    "float8 delayed, Triton transposes, micro-batch 8": DELAYED + " --float8-triton-transpose --mbs 8",
-}
 SUITES["all"] = {**SUITES["core"], **SUITES["levers"]}
 
 
@@ -168,8 +159,6 @@ def parse_args(argv=None):
     p.add_argument("--float8", default=None, choices=["tensorwise", "rowwise", "delayed"],
                    help="float8 recipe: torchao's tensorwise / rowwise, or hf-dlm's delayed scaling")
     p.add_argument("--float8-fast-accum", action="store_true", help="fast accumulation in backward float8 GEMMs")
-    p.add_argument("--float8-triton-transpose", action="store_true",
-                   help="delayed recipe: the backward's float8 transposes by fp8_transpose's Triton kernel")
     p.add_argument("--float8-all-gather", action="store_true",
                    help="with --fsdp and tensorwise: weights all-gathered in float8, scales precomputed once per step")
     p.add_argument("--float8-skip", nargs="*", default=["lm_head"],
@@ -258,12 +247,6 @@ def run_one(a) -> dict:
 
         convert_to_float8(model, recipe=a.float8, min_features=a.float8_min_features, skip=a.float8_skip,
                           fast_accum=a.float8_fast_accum, fsdp_all_gather=a.float8_all_gather)
-        if a.float8_triton_transpose:
-            from hf_dlm.training.fp8_delayed import DelayedFloat8Linear
-
-            for module in model.modules():
-                if isinstance(module, DelayedFloat8Linear):
-                    module.triton_transpose = True
     parallelize_dlm(model, activation_checkpointing=a.activation_checkpointing,
                     low_precision_residual=a.low_precision_residual,
                     compile=a.compile == "block", fsdp=a.fsdp, reshard_after_forward=False,

@@ -28,8 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8_transpose import transpose_2d
-
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FLOAT8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 INPUT, WEIGHT, GRAD = 0, 1, 2  # rows of the amax history
@@ -66,8 +64,7 @@ class _DelayedFloat8Linear(torch.autograd.Function):
     sink's gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, x_scale, w_scale, g_scale, grad_amax_sink, out_dtype, fast_accum_backward,
-                triton_transpose):
+    def forward(ctx, x, weight, x_scale, w_scale, g_scale, grad_amax_sink, out_dtype, fast_accum_backward):
         rows = x.reshape(-1, x.shape[-1])
         x_amax, w_amax = _amax(rows), _amax(weight)
         dynamic = x_scale is None
@@ -80,14 +77,13 @@ class _DelayedFloat8Linear(torch.autograd.Function):
         amaxes = torch.stack([x_amax, w_amax]).float()
         ctx.mark_non_differentiable(amaxes)
         ctx.save_for_backward(x8, w8, x_scale, w_scale, g_scale)
-        ctx.meta = (x.shape, x.dtype, weight.dtype, dynamic, fast_accum_backward, triton_transpose)
+        ctx.meta = (x.shape, x.dtype, weight.dtype, dynamic, fast_accum_backward)
         return out[: rows.shape[0]].reshape(*x.shape[:-1], -1), amaxes
 
     @staticmethod
     def backward(ctx, grad_out, _):
         x8, w8, x_scale, w_scale, g_scale = ctx.saved_tensors
-        x_shape, x_dtype, w_dtype, dynamic, fast, triton_transpose = ctx.meta
-        transposed = transpose_2d if triton_transpose else (lambda t: t.t().contiguous())
+        x_shape, x_dtype, w_dtype, dynamic, fast = ctx.meta
         grad = grad_out.reshape(-1, grad_out.shape[-1])
         g_amax = _amax(grad).float()
         if dynamic:
@@ -98,15 +94,15 @@ class _DelayedFloat8Linear(torch.autograd.Function):
         # Only the gradients autograd asks for (a frozen weight, e.g. under LoRA, skips its GEMM).
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch._scaled_mm(g8, transposed(w8).t(), scale_a=g_inverse, scale_b=w_scale.reciprocal(),
+            grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=g_inverse, scale_b=w_scale.reciprocal(),
                                       out_dtype=x_dtype if x_dtype in (torch.bfloat16, torch.float32) else torch.float32,
                                       use_fast_accum=fast)
             grad_x = grad_x[: grad.shape[0]].reshape(x_shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = torch._scaled_mm(transposed(g8), transposed(x8).t(), scale_a=g_inverse,
+            grad_w = torch._scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), scale_a=g_inverse,
                                       scale_b=x_scale.reciprocal(), out_dtype=torch.float32, use_fast_accum=fast)
             grad_w = grad_w.to(w_dtype)
-        return grad_x, grad_w, None, None, None, g_amax, None, None, None
+        return grad_x, grad_w, None, None, None, g_amax, None, None
 
 
 class DelayedFloat8Linear(nn.Linear):
@@ -116,15 +112,12 @@ class DelayedFloat8Linear(nn.Linear):
     carries the histories for an exact resume."""
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
-                 history_len: int = 16, fast_accum_backward: bool = False, triton_transpose: bool = False):
+                 history_len: int = 16, fast_accum_backward: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if in_features % 16 or out_features % 16:
             raise ValueError(f"float8 linear layers need in and out features divisible by 16, got "
                              f"({in_features}, {out_features})")
         self.history_len, self.fast_accum_backward = history_len, fast_accum_backward
-        # the backward's transposed float8 copies through `fp8_transpose.transpose_2d` (a tiled Triton kernel
-        # on CUDA) instead of `.t().contiguous()` folded by Inductor into the producing kernel
-        self.triton_transpose = triton_transpose
         self.scales_ready = False  # a Python flag: torch.compile guards on it and recompiles once
         self._history_step = 0
         object.__setattr__(self, "_input_owner", None)  # a sibling whose input scale this one shares
@@ -188,7 +181,7 @@ class DelayedFloat8Linear(nn.Linear):
             w_scale = _scale(self.amax_history[WEIGHT].amax(), E4M3)
             g_scale = _scale(self.amax_history[GRAD].amax(), E5M2)
         out, amaxes = _DelayedFloat8Linear.apply(x, self.weight, x_scale, w_scale, g_scale, self.grad_amax_sink,
-                                                 out_dtype, self.fast_accum_backward, self.triton_transpose)
+                                                 out_dtype, self.fast_accum_backward)
         with torch.no_grad():
             self.amax_pending[:2].copy_(amaxes)
         if self.bias is not None:

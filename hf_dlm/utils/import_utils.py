@@ -86,10 +86,6 @@ def is_flash_attn_available() -> bool:
     return _is_available("flash_attn", "2.6")
 
 
-def is_triton_available() -> bool:
-    return _is_available("triton")
-
-
 def is_liger_kernel_available() -> bool:
     return _is_available("liger_kernel")
 

@@ -311,6 +311,11 @@ class DLMTrainer(Trainer):
     def _rank_file(self, checkpoint_dir: str, name: str) -> str:
         return os.path.join(checkpoint_dir, name.format(rank=self.args.process_index))
 
+    def _load_rank_file(self, checkpoint_dir: str, name: str):
+        """This rank's file `name` of a checkpoint, loaded; None if the checkpoint has none."""
+        path = self._rank_file(checkpoint_dir, name)
+        return torch.load(path, weights_only=True) if os.path.isfile(path) else None
+
     def _save_extras(self, checkpoint_dir: str) -> None:
         os.makedirs(checkpoint_dir, exist_ok=True)
         if self._data_state is not None:
@@ -330,17 +335,17 @@ class DLMTrainer(Trainer):
             if resume_from_checkpoint is None:
                 raise ValueError(f"no valid checkpoint found in output_dir {self.args.output_dir!r}")
         restore_skip = self.args.ignore_data_skip
-        if resume_from_checkpoint and hasattr(self.train_dataset, "load_state_dict"):
-            path = self._rank_file(resume_from_checkpoint, DATA_STATE_NAME)
-            if os.path.isfile(path):
-                self.train_dataset.load_state_dict(torch.load(path, weights_only=True))
+        if resume_from_checkpoint:
+            data_state = (self._load_rank_file(resume_from_checkpoint, DATA_STATE_NAME)
+                          if hasattr(self.train_dataset, "load_state_dict") else None)
+            if data_state is not None:
+                self.train_dataset.load_state_dict(data_state)
                 self._data_state = None
                 if isinstance(self.train_dataset, IterableDataset):
                     self.args.ignore_data_skip = True
-        if resume_from_checkpoint:
-            path = self._rank_file(resume_from_checkpoint, FLOAT8_STATE_NAME)
-            if os.path.isfile(path):
-                load_float8_state_dict(self.accelerator.unwrap_model(self.model), torch.load(path, weights_only=True))
+            float8_state = self._load_rank_file(resume_from_checkpoint, FLOAT8_STATE_NAME)
+            if float8_state is not None:
+                load_float8_state_dict(self.accelerator.unwrap_model(self.model), float8_state)
         self._reset_window()
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,

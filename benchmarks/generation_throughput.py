@@ -35,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_dlm.modeling import DLMConfig, DLMForDiffusionLM
-from hf_dlm.training.corpus import split_documents, stdlib_documents, train_bpe_tokenizer
+from hf_dlm.data.corpus import split_documents, stdlib_documents, train_bpe_tokenizer
 from hf_dlm.training.objective import MaskedDiffusionObjective
 from hf_dlm.training.quickstart import pack_windows
 

@@ -30,8 +30,8 @@ def main():
     import torch
     from torch.utils.data import DataLoader
 
-    from hf_dlm.training.datasets import build_pretraining_dataset
-    from hf_dlm.training.indexed_dataset import IndexedDatasetWriter
+    from hf_dlm.data.streams import build_pretraining_dataset
+    from hf_dlm.data.indexed_dataset import IndexedDatasetWriter
 
     work = tempfile.mkdtemp(prefix="hf_dlm_loader_")
     atexit.register(shutil.rmtree, work, ignore_errors=True)

@@ -31,8 +31,8 @@ def main():
     parser.add_argument("--num-proc", type=int, nargs="+", default=[1, 2], help="datasets.map num_proc values")
     args = parser.parse_args()
 
-    from hf_dlm.training.corpus import stdlib_documents, train_bpe_tokenizer
-    from hf_dlm.training.preprocess import PreprocessConfig, preprocess
+    from hf_dlm.data.corpus import stdlib_documents, train_bpe_tokenizer
+    from hf_dlm.data.preprocess import PreprocessConfig, preprocess
 
     work = tempfile.mkdtemp(prefix="hf_dlm_bench_")
     atexit.register(shutil.rmtree, work, ignore_errors=True)

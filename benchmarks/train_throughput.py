@@ -82,7 +82,7 @@ SUITES["idle"] = {
     "bf16 residual stream, micro-batch 8, blocks as CUDA graphs (reduce-overhead)":
         RES + " --mbs 8 --compile-mode reduce-overhead --profile",
 }
-# delayed scaling (hf_dlm/training/fp8_delayed.py) against torchao's dynamic tensorwise, bf16 residual stream
+# delayed scaling (hf_dlm/parallel/float8_delayed.py) against torchao's dynamic tensorwise, bf16 residual stream
 DELAYED = "--float8 delayed --float8-fast-accum" + RES
 SUITES["delayed"] = {
     "bf16 residual stream": RES,
@@ -231,7 +231,7 @@ def run_one(a) -> dict:
     import torch
 
     from hf_dlm.training.objective import MaskedDiffusionObjective
-    from hf_dlm.training.parallelize import parallelize_dlm
+    from hf_dlm.parallel.parallelize import parallelize_dlm
 
     device = "cpu" if a.tiny else "cuda"
     if a.repeat_kv:
@@ -248,7 +248,7 @@ def run_one(a) -> dict:
         os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group("gloo" if a.tiny else "nccl", rank=0, world_size=1)
     if a.float8:
-        from hf_dlm.training.fp8 import convert_to_float8, precompute_float8_scales
+        from hf_dlm.parallel.float8 import convert_to_float8, precompute_float8_scales
 
         convert_to_float8(model, recipe=a.float8, min_features=a.float8_min_features, skip=a.float8_skip,
                           fast_accum=a.float8_fast_accum, fsdp_all_gather=a.float8_all_gather)

@@ -1,7 +1,8 @@
 """hf-dlm: diffusion language models on the Hugging Face stack.
 
 Importing the package registers the DLM family (`model_type = "dlm"`) with `AutoConfig`, `AutoModel`
-and `AutoModelForMaskedLM`. It never imports trl, peft, datasets or kernel packages.
+and `AutoModelForMaskedLM`. Every other public name (`from hf_dlm import DLMTrainer`) is imported on
+first access, so `import hf_dlm` never imports trl, peft, datasets or kernel packages.
 """
 
 __version__ = "0.1.0.dev0"
@@ -9,7 +10,7 @@ __version__ = "0.1.0.dev0"
 from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
 
 from .modeling import DiffusionLMOutput, DLMConfig, DLMForDiffusionLM, DLMModel, DLMPreTrainedModel
-from .training.objective import MaskedDiffusionObjective
+from .utils.lazy import lazy_exports
 
 
 def _register_auto_classes() -> None:
@@ -20,11 +21,49 @@ def _register_auto_classes() -> None:
 
 _register_auto_classes()
 
-__all__ = [
-    "DLMConfig",
-    "DLMModel",
-    "DLMForDiffusionLM",
-    "DLMPreTrainedModel",
-    "DiffusionLMOutput",
-    "MaskedDiffusionObjective",
-]
+# public name -> module that defines it (imported on first access)
+_LAZY = {
+    # modeling
+    "DLMGenerationConfig": ".modeling.generation_config",
+    "DLMGenerateOutput": ".modeling.generation_dlm",
+    # training
+    "MaskedDiffusionObjective": ".training.objective",
+    "elbo_nll": ".training.elbo",
+    "DLMTrainer": ".training.trainer",
+    "DLMTrainingArguments": ".training.training_args",
+    "run_pretraining": ".training.runner",
+    "register_data_builder": ".training.runner",
+    "ConfigError": ".training.runner",
+    "QuickstartConfig": ".training.quickstart",
+    "run_quickstart": ".training.quickstart",
+    # data
+    "DLMDataCollator": ".data.collator",
+    "build_pretraining_dataset": ".data.streams",
+    "PackedDataset": ".data.streams",
+    "BlendedDataset": ".data.streams",
+    "ShuffledSamples": ".data.streams",
+    "DistributedSampleStream": ".data.streams",
+    "data_parallel_rank_and_world": ".data.streams",
+    "IndexedDataset": ".data.indexed_dataset",
+    "IndexedDatasetWriter": ".data.indexed_dataset",
+    "HFPackedStream": ".data.hf_stream",
+    "SFTDataset": ".data.sft_data",
+    "SFTDataConfig": ".data.sft_data",
+    "TokenWindowDataset": ".data.memory_dataset",
+    "pack_documents": ".data.memory_dataset",
+    "PreprocessConfig": ".data.preprocess",
+    "preprocess": ".data.preprocess",
+    # parallel
+    "parallelize_dlm": ".parallel.parallelize",
+    "convert_to_float8": ".parallel.float8",
+    "precompute_float8_scales": ".parallel.float8",
+    "fp8_autocast": ".parallel.float8",
+    "DelayedFloat8Linear": ".parallel.float8_delayed",
+    # conversion
+    "convert_checkpoint": ".conversion.convert",
+    "verify_checkpoints": ".conversion.verify",
+}
+_EAGER = {name: globals()[name] for name in
+          ("DLMConfig", "DLMModel", "DLMForDiffusionLM", "DLMPreTrainedModel", "DiffusionLMOutput")}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _LAZY, _EAGER)

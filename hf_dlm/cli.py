@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from . import __version__
+
 COMMANDS = {
     "quickstart": "train a tiny DLM on an embedded corpus on CPU, then sample from it",
     "preprocess": "tokenize JSONL / Parquet / HF datasets into Megatron indexed files",
@@ -20,10 +22,13 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="hf-dlm", description="Diffusion language models on the HF stack")
+    parser.add_argument("--version", action="version", version=f"hf-dlm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or argv[0] in ("-h", "--help", "--version"):
+        if argv and argv[0] == "--version":
+            parser.parse_args(argv)  # prints the version and exits
         parser.print_help()
         return 0 if argv else 2
     name = argv[0]

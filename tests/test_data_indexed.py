@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from hf_dlm.cli import main as cli_main
-from hf_dlm.training.corpus import stdlib_documents, train_bpe_tokenizer
-from hf_dlm.training import preprocess as preprocess_module
-from hf_dlm.training.indexed_dataset import DTYPE_CODES, IndexedDataset, IndexedDatasetWriter
-from hf_dlm.training.preprocess import PreprocessConfig, PreprocessError, preprocess
+from hf_dlm.data.corpus import stdlib_documents, train_bpe_tokenizer
+from hf_dlm.data import preprocess as preprocess_module
+from hf_dlm.data.indexed_dataset import DTYPE_CODES, IndexedDataset, IndexedDatasetWriter
+from hf_dlm.data.preprocess import PreprocessConfig, PreprocessError, preprocess
 
 DOCS = [d[:400] for d in stdlib_documents(max_files=15)[:60]]
 
@@ -266,7 +266,7 @@ def test_killed_run_leaves_only_temporary_files(tmp_path, tokenizer_dir):
                         + [{"text": d} for d in DOCS])
     script = (  # every chunk after the first takes a long time, so the kill lands mid-run
         "import sys, time\n"
-        "from hf_dlm.training import preprocess as p\n"
+        "from hf_dlm.data import preprocess as p\n"
         "real = p._encode_chunk\n"
         "def slow(chunk):\n"
         "    if chunk[2] > 1: time.sleep(60)\n"

@@ -8,9 +8,9 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from hf_dlm.modeling.masks import document_ids_from_position_ids
-from hf_dlm.training.datasets import (BlendedDataset, DistributedSampleStream, PackedDataset, ShuffledSamples,
+from hf_dlm.data.streams import (BlendedDataset, DistributedSampleStream, PackedDataset, ShuffledSamples,
                                       blend_schedule, build_pretraining_dataset)
-from hf_dlm.training.indexed_dataset import IndexedDatasetWriter
+from hf_dlm.data.indexed_dataset import IndexedDatasetWriter
 
 
 def write_docs(prefix, docs, dtype=np.int32):
@@ -126,7 +126,7 @@ def test_dataloader_workers_keep_order_and_collate(corpus):
 
 def test_hf_stream_packs_streaming_datasets_and_resumes(tmp_path):
     datasets = pytest.importorskip("datasets")
-    from hf_dlm.training.hf_stream import HFPackedStream
+    from hf_dlm.data.hf_stream import HFPackedStream
 
     rows = {"input_ids": [list(range(1000 * d, 1000 * d + n)) for d, n in enumerate([5, 12, 3, 9, 20, 7, 11, 4])]}
     in_memory = datasets.Dataset.from_dict(rows)
@@ -169,7 +169,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|
 
 @pytest.fixture(scope="module")
 def chat_tokenizer():
-    from hf_dlm.training.corpus import stdlib_documents, train_bpe_tokenizer
+    from hf_dlm.data.corpus import stdlib_documents, train_bpe_tokenizer
 
     tokenizer = train_bpe_tokenizer([d[:300] for d in stdlib_documents(max_files=10)[:40]], vocab_size=300)
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -177,7 +177,7 @@ def chat_tokenizer():
 
 
 def test_sft_prompt_mask_and_both_padding_policies(chat_tokenizer):
-    from hf_dlm.training.sft_data import SFTDataConfig, SFTDataset
+    from hf_dlm.data.sft_data import SFTDataConfig, SFTDataset
 
     tok = chat_tokenizer
     rows = [{"messages": [{"role": "user", "content": "What is a for statement?"},
@@ -252,7 +252,7 @@ def test_accelerate_sharding_of_the_full_stream_keeps_global_indices(corpus):
 
 def test_each_dataset_keeps_its_own_epoch_orders(monkeypatch):
     """Datasets read in turn do not evict each other's permutations (one draw per dataset and epoch)."""
-    from hf_dlm.training import datasets as datasets_module
+    from hf_dlm.data import streams as datasets_module
 
     draws = []
     real_rng = np.random.default_rng

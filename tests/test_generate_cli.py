@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_dlm.cli import main
-from hf_dlm.training.corpus import train_bpe_tokenizer
+from hf_dlm.data.corpus import train_bpe_tokenizer
 
 from .conftest import tiny_model
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_dlm.training.objective import MaskedDiffusionObjective
-from hf_dlm.training.parallelize import parallelize_dlm
+from hf_dlm.parallel.parallelize import parallelize_dlm
 from tests.conftest import MASK_ID, VOCAB, tiny_model
 
 BATCH, LENGTH, STEPS = 4, 12, 2
@@ -71,7 +71,7 @@ def _worker(rank, world_size, init_file, out_file):
     results["fsdp+checkpointing+compile"] = (losses, grads)
     # float8 (tensorwise) under FSDP2, weights cast after the all-gather or all-gathered in float8; every
     # rank trains on the whole batch, since float8 input scales depend on the rows a rank sees
-    from hf_dlm.training.fp8 import precompute_float8_scales
+    from hf_dlm.parallel.float8 import precompute_float8_scales
 
     for layout, all_gather in (("fsdp+float8", False), ("fsdp+float8 all-gather", True)):
         model = parallelize_dlm(tiny_model("sdpa").train(), dp_mesh=mesh, float8_recipe="tensorwise",
@@ -179,7 +179,7 @@ def test_per_block_compile_stays_bidirectional_and_exact():
 
 
 def test_tensor_parallel_rejects_indivisible_heads():
-    from hf_dlm.training.parallelize import apply_tensor_parallel
+    from hf_dlm.parallel.parallelize import apply_tensor_parallel
 
     class FakeMesh:
         def size(self):

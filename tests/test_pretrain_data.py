@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from hf_dlm.training.corpus import split_documents, stdlib_documents, train_bpe_tokenizer
-from hf_dlm.training.preprocess import PreprocessConfig, preprocess
-from hf_dlm.training.pretrain import ConfigError, build_trainer, load_config, run_pretraining
+from hf_dlm.data.corpus import split_documents, stdlib_documents, train_bpe_tokenizer
+from hf_dlm.data.preprocess import PreprocessConfig, preprocess
+from hf_dlm.training.runner import ConfigError, build_trainer, load_config, run_pretraining
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -53,7 +53,7 @@ def test_preprocessed_indexed_files_train_and_checkpoint_their_position(tmp_path
     state = torch.load(tmp_path / "out" / "checkpoint-4" / "data_state_rank0.pt", weights_only=False)
     assert state == {"consumed_samples": 16}  # 4 steps of 4 windows
     # evaluation windows keep their documents' positions, so the ELBO attends like training
-    from hf_dlm.training.datasets import PackedDataset
+    from hf_dlm.data.streams import PackedDataset
 
     eval_set = build_trainer(load_config(_config(tmp_path, data)))[0].eval_dataset
     assert len(eval_set) == 4
@@ -93,7 +93,7 @@ def test_bad_data_sections_name_the_field_file_and_line(tmp_path, tokenizer_dir)
 
 
 def test_pack_documents_by_hand():
-    from hf_dlm.training.memory_dataset import pack_documents
+    from hf_dlm.data.memory_dataset import pack_documents
 
     ids, positions = pack_documents([[5, 6, 7], [8], [9, 10, 11, 12]], 3, eos_token_id=1)
     assert ids.tolist() == [[5, 6, 7], [1, 8, 1], [9, 10, 11]]

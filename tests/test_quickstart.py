@@ -7,7 +7,7 @@ from transformers import AutoModelForMaskedLM
 
 from hf_dlm import DLMForDiffusionLM
 from hf_dlm.cli import main as cli_main
-from hf_dlm.training.corpus import SPECIAL_TOKENS, split_documents, stdlib_documents, train_bpe_tokenizer
+from hf_dlm.data.corpus import SPECIAL_TOKENS, split_documents, stdlib_documents, train_bpe_tokenizer
 from hf_dlm.training.quickstart import QuickstartConfig, run_quickstart
 
 ROOT = Path(__file__).resolve().parents[1]

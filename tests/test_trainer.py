@@ -158,7 +158,7 @@ def test_best_checkpoint_and_rotation_point_at_published_folders(tmp_path):
 
 
 def test_sft_batches_never_supervise_prompt_or_padding(tmp_path):
-    from hf_dlm.training.collator import DLMDataCollator
+    from hf_dlm.data.collator import DLMDataCollator
 
     trainer = make_trainer(tmp_path, objective_preset="llada", normalization="sequence", random_length_prob=0.0)
     features = [{"input_ids": torch.arange(1, 1 + n), "prompt_mask": torch.arange(n) < 3, "sample_index": i}
@@ -185,7 +185,7 @@ def test_compile_blocks_and_fp8_recipe_go_through_parallelize(tmp_path, monkeypa
     compiled.train()
     torch.testing.assert_close(torch.tensor(compiled.step_losses), torch.tensor(eager.step_losses), rtol=1e-5, atol=1e-5)
 
-    from hf_dlm.training import parallelize
+    from hf_dlm.parallel import parallelize
 
     calls = []
     monkeypatch.setattr(parallelize, "parallelize_dlm", lambda model, **kw: calls.append(kw) or model)

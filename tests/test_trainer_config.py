@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from hf_dlm.training.collator import DLMDataCollator
-from hf_dlm.training.pretrain import ConfigError, build_trainer, load_config
+from hf_dlm.data.collator import DLMDataCollator
+from hf_dlm.training.runner import ConfigError, build_trainer, load_config
 from hf_dlm.training.trainer import STAGING_DIR
 from hf_dlm.training.training_args import DLMTrainingArguments
 
@@ -99,7 +99,7 @@ def test_the_example_script_trains_and_reports_bad_configs_under_its_own_name(tm
 def test_hf_dlm_train_runs_the_tiny_config_and_saves_a_loadable_model(tmp_path):
     from transformers import AutoModelForMaskedLM
 
-    from hf_dlm.training.pretrain import run_pretraining
+    from hf_dlm.training.runner import run_pretraining
 
     metrics = run_pretraining(TINY, [f"training.output_dir={tmp_path}", "training.max_steps=4", "training.save_steps=2",
                                      "training.eval_steps=4", "training.logging_steps=2", "data.max_files=40"])
@@ -139,7 +139,7 @@ def test_collator_pads_and_passes_position_ids_only_for_packed_rows():
 
 def test_gpu_config_is_the_qwen3_1_7b_shape():
     from hf_dlm.modeling import DLMConfig, DLMForDiffusionLM
-    from hf_dlm.training.pretrain import build_training_args, check_model_section
+    from hf_dlm.training.runner import build_training_args, check_model_section
 
     config = load_config(os.path.join(ROOT, "examples", "configs", "qwen3_1.7b_shape.yaml"), ["training.use_cpu=true"])
     model_section = dict(config["model"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import TrainerCallback
 
-from hf_dlm.training.memory_dataset import TokenWindowDataset
+from hf_dlm.data.memory_dataset import TokenWindowDataset
 from hf_dlm.training.trainer import DLMTrainer
 from hf_dlm.training.training_args import DLMTrainingArguments
 from tests.conftest import VOCAB, tiny_model
@@ -50,7 +50,7 @@ class RecordingTrainer(DLMTrainer):
 def window_stream(ids: torch.Tensor, seed: int = 0):
     """The production stream stack (`build_pretraining_dataset` without the files): windows shuffled per
     epoch with (seed, epoch), endless, position in `state_dict()`; accelerate shards it over ranks."""
-    from hf_dlm.training.datasets import DistributedSampleStream, ShuffledSamples
+    from hf_dlm.data.streams import DistributedSampleStream, ShuffledSamples
 
     return DistributedSampleStream(ShuffledSamples(TokenWindowDataset(ids), seed=seed, num_epochs=None))
 

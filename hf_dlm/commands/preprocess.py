@@ -7,7 +7,7 @@ import sys
 
 
 def add_arguments(parser):
-    from ..training.preprocess import PreprocessConfig
+    from ..data.preprocess import PreprocessConfig
 
     for field in dataclasses.fields(PreprocessConfig):
         flag, help_text = f"--{field.name.replace('_', '-')}", field.metadata["help"]
@@ -26,7 +26,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from ..training.preprocess import PreprocessConfig, PreprocessError, preprocess
+    from ..data.preprocess import PreprocessConfig, PreprocessError, preprocess
 
     config = PreprocessConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PreprocessConfig)})
     try:

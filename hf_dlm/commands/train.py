@@ -20,7 +20,7 @@ def add_arguments(parser, config_flag: str | None = None):
 
 
 def run(args, prog: str = "hf-dlm train") -> int:
-    from ..training.pretrain import ConfigError, run_pretraining
+    from ..training.runner import ConfigError, run_pretraining
 
     try:
         metrics = run_pretraining(args.config, args.overrides)

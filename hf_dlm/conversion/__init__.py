@@ -3,6 +3,8 @@
 `import hf_dlm` does not import this package; its modules load on first use (PEP 562 `__getattr__`).
 """
 
+from ..utils.lazy import lazy_exports
+
 _EXPORTS = {
     "ConversionOptions": "convert", "convert_checkpoint": "convert", "load_as_dlm": "convert",
     "verify_checkpoints": "verify", "compare_logits": "verify",
@@ -13,12 +15,4 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-
-
-__all__ = list(_EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {name: f".{module}" for name, module in _EXPORTS.items()})

@@ -15,9 +15,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..modeling import DLMConfig, DLMForDiffusionLM
-from .corpus import split_documents, stdlib_documents, train_bpe_tokenizer
+from ..data.corpus import split_documents, stdlib_documents, train_bpe_tokenizer
 from .elbo import elbo_nll
-from .memory_dataset import pack_documents
+from ..data.memory_dataset import pack_documents
 from .objective import MaskedDiffusionObjective
 
 

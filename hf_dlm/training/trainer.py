@@ -26,9 +26,9 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 from transformers.utils import logging
 
-from .collator import DATA_STATE_KEY, DLMDataCollator
+from ..data.collator import DATA_STATE_KEY, DLMDataCollator
 from .elbo import elbo_nll
-from .fp8_delayed import float8_state_dict, load_float8_state_dict
+from ..parallel.float8_delayed import float8_state_dict, load_float8_state_dict
 from .objective import MaskedDiffusionObjective
 from .training_args import DLMTrainingArguments
 
@@ -65,7 +65,7 @@ class DLMTrainer(Trainer):
                                "each worker holds its own copy of the stream")
         if args.compile_blocks or args.fp8_recipe or args.low_precision_residual:
             # before accelerate wraps the model (DDP / FSDP2): torchtitan's order, float8 then compile
-            from .parallelize import parallelize_dlm
+            from ..parallel.parallelize import parallelize_dlm
 
             parallelize_dlm(model, float8_recipe=args.fp8_recipe, float8_fast_accum=args.fp8_fast_accum,
                             float8_min_features=args.fp8_min_features,

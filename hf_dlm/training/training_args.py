@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .fp8 import FLOAT8_RECIPES as FP8_RECIPES
+from ..parallel.float8 import FLOAT8_RECIPES as FP8_RECIPES
 from .objective import NORMALIZATIONS, PRESETS, SCHEDULES, T_SAMPLINGS, WEIGHTINGS, MaskedDiffusionObjective
 
 
@@ -66,12 +66,12 @@ class DLMTrainingArguments(TrainingArguments):
     eval_mc_num: int = field(
         default=8, metadata={"help": "Monte Carlo draws per sequence of the ELBO bound used for evaluation."})
     eval_seed: int = field(default=0, metadata={"help": "Seed of the ELBO evaluation's masking draws."})
-    # -- parallelisation (applied through hf_dlm.training.parallelize) ----------------------------
+    # -- parallelisation (applied through hf_dlm.parallel.parallelize) ----------------------------
     fp8_recipe: str | None = field(
         default=None,
         metadata={"help": f"Float8 training recipe for the linear layers, one of {FP8_RECIPES} (torchao's, or "
                           "'delayed': hf-dlm's delayed scaling, no torchao needed), applied before sharding by "
-                          "hf_dlm.training.parallelize. None: bf16/fp32 linears."},
+                          "hf_dlm.parallel.parallelize. None: bf16/fp32 linears."},
     )
     fp8_min_features: int = field(
         default=2048,
@@ -94,7 +94,7 @@ class DLMTrainingArguments(TrainingArguments):
     compile_blocks: bool = field(
         default=False,
         metadata={"help": "torch.compile each decoder block separately (torchtitan's per-block compile), applied by "
-                          "hf_dlm.training.parallelize."},
+                          "hf_dlm.parallel.parallelize."},
     )
     # -- parent defaults changed ------------------------------------------------------------------
     remove_unused_columns: bool = field(

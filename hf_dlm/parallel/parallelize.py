@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .fp8 import convert_to_float8
+from .float8 import convert_to_float8
 
 # base_model_tp_plan strings -> torch.distributed.tensor.parallel styles; "replicated_with_grad_allreduce"
 # layers (per-head q/k norms) keep a full weight whose gradient is summed over the tensor-parallel group
@@ -58,11 +58,11 @@ def parallelize_dlm(
     fsdp: shard parameters, gradients and optimizer state with FSDP2 `fully_shard` (one unit per decoder
         layer, plus the root for embeddings, final norm and head). Implied by passing `dp_mesh`.
     float8_recipe: None (off), a torchao recipe ("tensorwise", "rowwise") or "delayed" (hf-dlm's delayed
-        scaling, `fp8_delayed`): float8 training for linears whose in and out features are both at least
+        scaling, `float8_delayed`): float8 training for linears whose in and out features are both at least
         `float8_min_features` (`lm_head` never). Needs an sm_89+ GPU; "delayed" is not combined with tp_mesh.
         `float8_fast_accum`: fast accumulation in the backward GEMMs too; `float8_fsdp_all_gather`: with FSDP
-        and "tensorwise", all-gather weights already in float8 (`fp8.convert_to_float8`; then call
-        `fp8.precompute_float8_scales(model)` after every optimizer step).
+        and "tensorwise", all-gather weights already in float8 (`float8.convert_to_float8`; then call
+        `float8.precompute_float8_scales(model)` after every optimizer step).
     activation_checkpointing: recompute each decoder layer in backward (non-reentrant checkpoint).
     low_precision_residual: under autocast, the embeddings are cast to the autocast dtype, so the residual
         stream between layers is bf16 rather than fp32 (fp32 weights make it fp32 under autocast). This is

@@ -17,7 +17,7 @@ def pack_documents(documents: list[list[int]], seq_len: int, eos_token_id: int |
     """Concatenate token lists (each followed by `eos_token_id` if given) and cut them into windows.
 
     Returns input_ids (N, seq_len) and position_ids (N, seq_len), restarting at 0 at every document start."""
-    from .datasets import packed_position_ids
+    from .streams import packed_position_ids
 
     tail = [eos_token_id] if eos_token_id is not None else []
     lengths = np.array([len(d) + len(tail) for d in documents], dtype=np.int64)

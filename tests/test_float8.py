@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from hf_dlm.training.fp8 import TORCHAO_RECIPES, TRANSFORMER_ENGINE_AVAILABLE, convert_to_float8, float8_module_filter
-from hf_dlm.training.parallelize import parallelize_dlm
+from hf_dlm.parallel.float8 import TORCHAO_RECIPES, TRANSFORMER_ENGINE_AVAILABLE, convert_to_float8, float8_module_filter
+from hf_dlm.parallel.parallelize import parallelize_dlm
 from hf_dlm.utils.import_utils import is_torchao_available
 from tests.conftest import VOCAB, tiny_model
 
@@ -79,7 +79,7 @@ def test_unknown_recipe_and_backend_are_rejected():
 def test_transformer_engine_swap_keeps_outputs():
     import transformer_engine.pytorch as te
 
-    from hf_dlm.training.fp8 import fp8_autocast
+    from hf_dlm.parallel.float8 import fp8_autocast
 
     model = _model().cuda()
     ids = torch.randint(0, VOCAB - 1, (2, 16), device="cuda")
@@ -104,7 +104,7 @@ def test_fast_accumulation_reaches_the_backward_gemms():
 
 @needs_torchao
 def test_fsdp_float8_all_gather_is_tensorwise_only(monkeypatch):
-    from hf_dlm.training.fp8 import precompute_float8_scales
+    from hf_dlm.parallel.float8 import precompute_float8_scales
 
     with pytest.raises(ValueError, match="tensorwise"):
         convert_to_float8(_model(), recipe="rowwise", min_features=64, fsdp_all_gather=True)

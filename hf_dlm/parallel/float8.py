@@ -26,7 +26,7 @@ from torch import nn
 
 from ..utils.import_utils import is_transformer_engine_available, require
 
-# torchao's recipe names, and "delayed": hf-dlm's own delayed scaling (fp8_delayed.py), no torchao needed
+# torchao's recipe names, and "delayed": hf-dlm's own delayed scaling (float8_delayed.py), no torchao needed
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FLOAT8_RECIPES = (*TORCHAO_RECIPES, "delayed")
 DEFAULT_SKIP = ("lm_head",)
@@ -66,7 +66,7 @@ def convert_to_float8(
 
     recipe: torchao scaling recipe, "tensorwise" (one scale per tensor), "rowwise" (one per row, more
         accurate) or "rowwise_with_gw_hp" (rowwise, weight gradient in high precision); or "delayed":
-        tensorwise with scales from the last 16 steps' amaxes (`fp8_delayed`, no torchao needed; the
+        tensorwise with scales from the last 16 steps' amaxes (`float8_delayed`, no torchao needed; the
         fastest, benchmarks/RESULTS.md). Ignored by the Transformer Engine backend (its recipe goes to
         `fp8_autocast`).
     min_features: a linear is converted only if both its in and out features are at least this.
@@ -86,7 +86,7 @@ def convert_to_float8(
     if recipe == "delayed" and backend == "torchao":
         if fsdp_all_gather:
             raise ValueError("float8 FSDP all-gather needs the 'tensorwise' recipe, not 'delayed'")
-        from .fp8_delayed import convert_to_delayed_float8
+        from .float8_delayed import convert_to_delayed_float8
 
         convert_to_delayed_float8(model, selected, fast_accum_backward=fast_accum)
     elif backend == "torchao":

@@ -81,8 +81,8 @@ def load_config(path: str, overrides: list[str] | None = None) -> dict:
 # -- data ---------------------------------------------------------------------------------------------
 def _corpus_data(options: dict, model_options: dict) -> dict:
     """Python's own documentation, a byte-level BPE tokenizer trained on it, packed windows."""
-    from .corpus import split_documents, stdlib_documents, train_bpe_tokenizer
-    from .memory_dataset import TokenWindowDataset, pack_documents
+    from ..data.corpus import split_documents, stdlib_documents, train_bpe_tokenizer
+    from ..data.memory_dataset import TokenWindowDataset, pack_documents
 
     train_docs, heldout_docs = split_documents(stdlib_documents(max_files=options.get("max_files")))
     tokenizer = train_bpe_tokenizer(train_docs, options.get("vocab_size", 384))
@@ -106,7 +106,7 @@ def _corpus_data(options: dict, model_options: dict) -> dict:
 
 def _random_data(options: dict, model_options: dict) -> dict:
     """Uniform random token ids (throughput runs; nothing to learn). Needs the model's vocab_size."""
-    from .memory_dataset import TokenWindowDataset
+    from ..data.memory_dataset import TokenWindowDataset
 
     vocab = model_options.get("vocab_size")
     if vocab is None:
@@ -145,7 +145,7 @@ def _indexed_data(options: dict, model_options: dict) -> dict:
     in every checkpoint."""
     from torch.utils.data import Subset
 
-    from .datasets import PackedDataset, build_pretraining_dataset
+    from ..data.streams import PackedDataset, build_pretraining_dataset
 
     prefixes = options.get("prefixes")
     if isinstance(prefixes, str):
@@ -171,7 +171,7 @@ def _sft_data(options: dict, model_options: dict) -> dict:
     are never noised; `padding` 'eos' (LLaDA: train on EOS padding) or 'exclude'."""
     import json
 
-    from .sft_data import SFTDataConfig, SFTDataset
+    from ..data.sft_data import SFTDataConfig, SFTDataset
 
     tokenizer = _tokenizer_ids(options, model_options, "sft")
     rows = []

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .datasets import _check_rank, packed_position_ids
+from .streams import _check_rank, packed_position_ids
 
 EPOCH_STRIDE = 2 ** 40  # more windows than any epoch has
 

@@ -38,7 +38,7 @@ class DLMDataCollator:
             for key in ("input_ids", "sample_index"):
                 if key not in feature:
                     raise KeyError(f"DLMDataCollator: sample {position} of the batch has no {key!r} "
-                                   f"(keys: {sorted(feature)}); see the data contract in hf_dlm/training/collator.py")
+                                   f"(keys: {sorted(feature)}); see the data contract in hf_dlm/data/collator.py")
         ids = [_as_tensor(f["input_ids"], torch.long) for f in features]
         lengths = [x.shape[0] for x in ids]
         length = max(lengths)

@@ -1,4 +1,4 @@
-"""Delayed-scaling float8 linears (`fp8_delayed`): outputs and gradients equal the float8 formula computed
+"""Delayed-scaling float8 linears (`float8_delayed`): outputs and gradients equal the float8 formula computed
 by hand (dynamic scales on the first step, the history's on later ones, saturation beyond it), the history
 records each step, siblings share the input scale, compiled training equals eager, checkpoints stay plain."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from hf_dlm.training.fp8 import convert_to_float8
-from hf_dlm.training.fp8_delayed import E4M3, E5M2, GRAD, INPUT, WEIGHT, DelayedFloat8Linear
-from hf_dlm.training.parallelize import parallelize_dlm
+from hf_dlm.parallel.float8 import convert_to_float8
+from hf_dlm.parallel.float8_delayed import E4M3, E5M2, GRAD, INPUT, WEIGHT, DelayedFloat8Linear
+from hf_dlm.parallel.parallelize import parallelize_dlm
 from hf_dlm.utils.import_utils import is_torchao_available
 from tests.conftest import VOCAB, tiny_model
 
@@ -197,7 +197,7 @@ def test_trainer_trains_with_the_delayed_recipe(tmp_path):
 def test_trainer_resume_restores_the_amax_histories(tmp_path):
     """6 steps straight equal 3 + resume + 3 with fp8_recipe='delayed': the checkpoint holds the
     histories (without them the resumed first step would scale dynamically and the losses would differ)."""
-    from hf_dlm.training.fp8_delayed import float8_state_dict, load_float8_state_dict
+    from hf_dlm.parallel.float8_delayed import float8_state_dict, load_float8_state_dict
     from hf_dlm.training.trainer import FLOAT8_STATE_NAME
     from tests.trainer_utils import StopAfter, flat_params, make_trainer
 

@@ -1,0 +1,14 @@
+"""Speed and scale: `parallelize_dlm` (tensor parallel, activation checkpointing, per-block compile,
+FSDP2, in torchtitan's order) and the float8 converters (torchao recipes, hf-dlm's delayed recipe,
+Transformer Engine). Names load on first access; torchao and Transformer Engine only when used."""
+
+from ..utils.lazy import lazy_exports
+
+_LAZY = {
+    "parallelize_dlm": ".parallelize", "apply_tensor_parallel": ".parallelize",
+    "convert_to_float8": ".float8", "precompute_float8_scales": ".float8", "fp8_autocast": ".float8",
+    "float8_module_filter": ".float8",
+    "DelayedFloat8Linear": ".float8_delayed", "convert_to_delayed_float8": ".float8_delayed",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _LAZY)

@@ -11,9 +11,10 @@ def add_arguments(parser):
     parser.add_argument("source", help="source checkpoint folder (a Megatron checkpoint folder for --from megatron)")
     parser.add_argument("destination", help="output folder (must be empty unless --overwrite)")
     parser.add_argument("--from", dest="family", choices=SOURCES, default=None,
-                        help="source family; default: dlm when --to megatron, else required")
-    parser.add_argument("--to", choices=("dlm", "megatron"), default="dlm",
-                        help="output layout: an hf-dlm folder (default) or a Megatron / MegaDLMs checkpoint")
+                        help="source family; default: dlm when --to megatron / qwen3_moe, else required")
+    parser.add_argument("--to", choices=("dlm", "megatron", "qwen3_moe"), default="dlm",
+                        help="output layout: an hf-dlm folder (default), a Megatron / MegaDLMs checkpoint, or a "
+                             "Qwen3-MoE folder (from an hf-dlm MoE model)")
     parser.add_argument("--keep-causal", action="store_true",
                         help="keep causal attention (same as --attention-mode causal)")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty destination")
@@ -33,11 +34,11 @@ def add_arguments(parser):
 def run(args) -> int:
     from ..conversion.convert import ConversionOptions, convert_checkpoint
 
-    family = args.family or ("dlm" if args.to == "megatron" else None)
+    family = args.family or ("dlm" if args.to in ("megatron", "qwen3_moe") else None)
     if family is None:
         raise SystemExit("hf-dlm convert: --from is required (llama, qwen2, qwen3, mistral, llada, dream, megatron, dlm)")
     if args.push_to_hub and args.to != "dlm":  # before minutes of conversion
-        raise SystemExit("hf-dlm convert: --push-to-hub uploads hf-dlm folders only (not --to megatron)")
+        raise SystemExit("hf-dlm convert: --push-to-hub uploads hf-dlm folders only (not --to megatron / qwen3_moe)")
     options = ConversionOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ConversionOptions)})
     if args.keep_causal:
         options.attention_mode = "causal"

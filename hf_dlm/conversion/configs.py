@@ -67,6 +67,17 @@ def qwen3_config(source: dict) -> dict:
     return {**_common(source), "qk_norm": True, "attention_bias": bool(source.get("attention_bias", False))}
 
 
+def qwen3_moe_config(source: dict) -> dict:
+    """Qwen3-MoE: the Qwen3 layout with top-k MoE blocks (`num_experts` is `num_local_experts` in newer dumps)."""
+    options = qwen3_config(source)
+    options["num_experts"] = source.get("num_experts", source.get("num_local_experts"))
+    for name in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                 "mlp_only_layers", "router_aux_loss_coef"):
+        if source.get(name) is not None:
+            options[name] = source[name]
+    return options
+
+
 def dream_config(source: dict) -> dict:
     """Dream: Qwen2 layout (q / k / v bias), bidirectional, logits shifted by one (Dream's sampler reads
     the logits at i-1 for token i)."""
@@ -135,10 +146,11 @@ FAMILY_CONFIGS = {
     "mistral": mistral_config,
     "qwen2": qwen2_config,
     "qwen3": qwen3_config,
+    "qwen3_moe": qwen3_moe_config,
     "dream": dream_config,
     "llada": llada_config,
     "megadlms": megadlms_config,
 }
-AR_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+AR_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 __all__ = ["FAMILY_CONFIGS", "AR_FAMILIES", "rope_parameters_of"]

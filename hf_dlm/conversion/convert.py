@@ -20,8 +20,10 @@ from tqdm.auto import tqdm
 from .adapt import DEFAULT_MASK_TOKEN, add_mask_token, init_mask_row
 from .configs import AR_FAMILIES, FAMILY_CONFIGS
 from .key_maps import FAMILY_MAPS, rename_state_dict
+from .moe import fuse_experts
 
 SOURCES = (*AR_FAMILIES, "llada", "dream", "megadlms", "megatron", "dlm")
+TARGETS = ("dlm", "megatron", "qwen3_moe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -138,6 +140,8 @@ def load_as_dlm(family: str, source: str | os.PathLike, options: ConversionOptio
                               if k not in ("model_type", "transformers_version", "architectures", "auto_map", "dtype")}
         else:
             config_options = FAMILY_CONFIGS[family](source_config)
+        if family in ("qwen3_moe", "dlm"):  # one key per expert on the Hub -> grouped expert weights
+            raw = fuse_experts(raw, source=str(source))
         state_dict = rename_state_dict(raw, FAMILY_MAPS[family], source=f"{source} ({family})")
         if family in AR_FAMILIES:
             config_options.setdefault("attention_mode", "bidirectional")
@@ -198,12 +202,12 @@ def convert_checkpoint(
     to: str = "dlm",
     overwrite: bool = False,
 ) -> Path:
-    """Convert `source` (a `family` checkpoint) into `destination`, as an hf-dlm folder (`to="dlm"`)
-    or a Megatron checkpoint (`to="megatron"`)."""
+    """Convert `source` (a `family` checkpoint) into `destination`, as an hf-dlm folder (`to="dlm"`),
+    a Megatron checkpoint (`to="megatron"`) or, for an MoE model, a Qwen3-MoE folder (`to="qwen3_moe"`)."""
     from .model_card import write_info, write_model_card
 
-    if to not in ("dlm", "megatron"):  # before minutes of loading
-        raise ValueError(f"unknown target {to!r}; choose 'dlm' or 'megatron'")
+    if to not in TARGETS:  # before minutes of loading
+        raise ValueError(f"unknown target {to!r}; choose from {TARGETS}")
     options = options or ConversionOptions()
     destination = Path(destination)
     model, tokenizer, copy_tokenizer_from, record = load_as_dlm(family, source, options)
@@ -212,6 +216,11 @@ def convert_checkpoint(
         from .megatron import save_megatron_checkpoint
 
         save_megatron_checkpoint(model, destination)
+        return destination
+    if to == "qwen3_moe":
+        from .moe import save_qwen3_moe
+
+        save_qwen3_moe(model, destination)
         return destination
     model.save_pretrained(destination)
     if tokenizer is not None:

@@ -64,8 +64,23 @@ QWEN3_MAP = {**_NORMS_AND_EMBEDDINGS, **_ATTENTION, **_QKV_BIAS, **_O_BIAS, **_Q
 DREAM_MAP = dict(QWEN2_MAP)
 # MegaDLMs' HF-side DiffLM: the Qwen3 names without biases
 MEGADLMS_MAP = {**_NORMS_AND_EMBEDDINGS, **_ATTENTION, **_QK_NORM, **_MLP}
+# MoE layers (transformers 5's Qwen3-MoE modules): the router and the grouped experts (`moe.fuse_experts`
+# groups a checkpoint's per-expert keys first); an optional Qwen2-MoE-style gated shared expert
+_MOE = {
+    "model.layers.{}.mlp.gate.weight": "model.layers.{}.mlp.gate.weight",
+    "model.layers.{}.mlp.experts.gate_up_proj": "model.layers.{}.mlp.experts.gate_up_proj",
+    "model.layers.{}.mlp.experts.down_proj": "model.layers.{}.mlp.experts.down_proj",
+}
+_SHARED_EXPERT = {
+    "model.layers.{}.mlp.shared_expert.gate_proj.weight": "model.layers.{}.mlp.shared_expert.gate_proj.weight",
+    "model.layers.{}.mlp.shared_expert.up_proj.weight": "model.layers.{}.mlp.shared_expert.up_proj.weight",
+    "model.layers.{}.mlp.shared_expert.down_proj.weight": "model.layers.{}.mlp.shared_expert.down_proj.weight",
+    "model.layers.{}.mlp.shared_expert_gate.weight": "model.layers.{}.mlp.shared_expert_gate.weight",
+}
+# Qwen3-MoE: the Qwen3 layout, MoE blocks in the layers `decoder_sparse_step` / `mlp_only_layers` select
+QWEN3_MOE_MAP = {**QWEN3_MAP, **_MOE}
 # hf-dlm to itself (every optional tensor)
-DLM_MAP = {**LLAMA_MAP, **_QK_NORM}
+DLM_MAP = {**LLAMA_MAP, **_QK_NORM, **_MOE, **_SHARED_EXPERT}
 
 # LLaDA (GSAI-ML/LLaDA-8B-*, `modeling_llada.py`, OLMo-derived names, block_type "llama"):
 # `ff_proj` is the SiLU-gated branch, `up_proj` the linear branch, `ff_out` the down projection;
@@ -93,6 +108,7 @@ FAMILY_MAPS = {
     "mistral": MISTRAL_MAP,
     "qwen2": QWEN2_MAP,
     "qwen3": QWEN3_MAP,
+    "qwen3_moe": QWEN3_MOE_MAP,
     "dream": DREAM_MAP,
     "llada": LLADA_MAP,
     "megadlms": MEGADLMS_MAP,
@@ -129,5 +145,5 @@ def rename_state_dict(
     return renamed
 
 
-__all__ = ["FAMILY_MAPS", "LLAMA_MAP", "MISTRAL_MAP", "QWEN2_MAP", "QWEN3_MAP", "DREAM_MAP", "LLADA_MAP",
+__all__ = ["FAMILY_MAPS", "LLAMA_MAP", "MISTRAL_MAP", "QWEN2_MAP", "QWEN3_MAP", "QWEN3_MOE_MAP", "DREAM_MAP", "LLADA_MAP",
            "MEGADLMS_MAP", "DLM_MAP", "key_template", "rename_state_dict"]

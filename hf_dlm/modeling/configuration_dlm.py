@@ -6,6 +6,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+MOE_IMPLEMENTATIONS = ("auto", "grouped_mm", "loop")
 ATTENTION_MODES = ("bidirectional", "causal", "block")
 LABEL_ALIGNMENTS = ("same", "shift")
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
@@ -31,6 +32,22 @@ class DLMConfig(PreTrainedConfig):
       non-causal fwd+bwd ran at 564 TFLOP/s against 299 for flash (head dim 128, seq 4096).
     - `loss_chunk_size`: number of supervised positions whose full-vocabulary logits exist at once
       in the training forward.
+
+    Mixture of experts (names and meaning of transformers' `Qwen3MoeConfig` / `Qwen2MoeConfig`; the
+    default `num_experts=0` is a dense model):
+
+    - `num_experts`, `num_experts_per_tok` (top-k token-choice routing), `moe_intermediate_size` (each
+      expert's SwiGLU width; default `intermediate_size`), `norm_topk_prob` (renormalise the k weights).
+    - `decoder_sparse_step`, `mlp_only_layers`: layer i is MoE when `(i + 1) % decoder_sparse_step == 0`
+      and i is not in `mlp_only_layers`; other layers keep the dense MLP of `intermediate_size`.
+    - `shared_expert_intermediate_size`: a dense SwiGLU every token also runs, scaled by a sigmoid gate
+      (Qwen2-MoE); 0 = none.
+    - `router_aux_loss_coef`: weight of the load-balancing loss `E * sum_e f_e * P_e` (Switch Transformer
+      eq. 4, transformers' `load_balancing_loss_func`: f_e = top-k assignments to e / tokens, P_e = mean
+      router probability), averaged over MoE layers; `router_z_loss_coef`: weight of the router z-loss
+      `mean_tokens(logsumexp(router_logits)^2)` (ST-MoE eq. 5).
+    - `moe_implementation`: `"grouped_mm"` (one `torch.nn.functional.grouped_mm` per projection), `"loop"`
+      (one matmul per expert) or `"auto"` (grouped_mm on CUDA where PyTorch has it, else the loop).
 
     ```python
     >>> from hf_dlm import DLMConfig, DLMForDiffusionLM
@@ -88,6 +105,16 @@ class DLMConfig(PreTrainedConfig):
     label_alignment: str = "same"
     sdpa_backends: list[str] | None = None
     loss_chunk_size: int = 4096
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] | None = None
+    shared_expert_intermediate_size: int = 0
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.0
+    moe_implementation: str = "auto"
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -101,6 +128,10 @@ class DLMConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.sdpa_backends is None:
             self.sdpa_backends = list(SDPA_BACKENDS)
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        if self.mlp_only_layers is None:
+            self.mlp_only_layers = []
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
@@ -128,6 +159,22 @@ class DLMConfig(PreTrainedConfig):
             )
         if self.loss_chunk_size < 1:
             raise ValueError("DLMConfig.loss_chunk_size must be a positive integer")
+        if self.num_experts < 0 or (self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts):
+            raise ValueError(
+                f"DLMConfig.num_experts_per_tok ({self.num_experts_per_tok}) must lie in [1, num_experts="
+                f"{self.num_experts}] (num_experts=0: a dense model)"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"DLMConfig.decoder_sparse_step must be a positive integer, got {self.decoder_sparse_step}")
+        if self.moe_implementation not in MOE_IMPLEMENTATIONS:
+            raise ValueError(
+                f"DLMConfig.moe_implementation must be one of {MOE_IMPLEMENTATIONS}, got {self.moe_implementation!r}"
+            )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx` holds a sparse MoE block (Qwen3-MoE's rule)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
 
 __all__ = ["DLMConfig"]

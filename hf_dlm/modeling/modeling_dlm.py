@@ -22,6 +22,7 @@ from .configuration_dlm import DLMConfig
 from .generation_dlm import DLMGenerationMixin
 from .loss import masked_lm_loss
 from .masks import build_attention_mask
+from .moe import DLMExperts, DLMSparseMoeBlock
 
 
 class DLMRMSNorm(nn.Module):
@@ -71,11 +72,12 @@ class DLMRotaryEmbedding(nn.Module):
 
 
 class DLMMLP(nn.Module):
-    def __init__(self, config: DLMConfig):
+    def __init__(self, config: DLMConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,17 +156,26 @@ class DLMDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DLMConfig, layer_idx: int):
         super().__init__()
         self.self_attn = DLMAttention(config, layer_idx)
-        self.mlp = DLMMLP(config)
+        if config.is_moe_layer(layer_idx):
+            shared_size = config.shared_expert_intermediate_size
+            self.mlp = DLMSparseMoeBlock(config, DLMMLP(config, shared_size) if shared_size else None)
+        else:
+            self.mlp = DLMMLP(config)
         self.input_layernorm = DLMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DLMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs) -> torch.Tensor:
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, router_losses=None,
+                **kwargs) -> torch.Tensor:
+        """router_losses: a list the MoE block appends its (load-balancing, z) losses to (None: not collected)."""
         residual = hidden_states
         hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, **kwargs
         )
         hidden_states = residual + hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        mlp_input = self.post_attention_layernorm(hidden_states)
+        if isinstance(self.mlp, DLMSparseMoeBlock):
+            return hidden_states + self.mlp(mlp_input, router_losses)
+        return hidden_states + self.mlp(mlp_input)
 
 
 class DLMPreTrainedModel(PreTrainedModel):
@@ -182,8 +193,17 @@ class DLMPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = False  # the masked-only head gathers a data-dependent number of rows
     _supports_attention_backend = True
     # weights: transformers' default `_init_weights` covers every module here (normal(0, initializer_range)
-    # linears and embeddings, unit RMSNorm weights, RoPE buffers), as for Llama / Qwen3. A depth-scaled init
-    # of o_proj / down_proj was tried and slowed the quickstart's learning (ELBO 4.47 -> 4.64 at 400 steps).
+    # linears and embeddings, unit RMSNorm weights, RoPE buffers), as for Llama / Qwen3, except the grouped
+    # expert weights (same normal init, below). A depth-scaled init of o_proj / down_proj was tried and slowed
+    # the quickstart's learning (ELBO 4.47 -> 4.64 at 400 steps).
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, DLMExperts):
+            from transformers import initialization as init
+
+            init.normal_(module.gate_up_proj, mean=0.0, std=self.config.initializer_range)
+            init.normal_(module.down_proj, mean=0.0, std=self.config.initializer_range)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save, plus self-contained remote code, `auto_map` and a model card
@@ -198,6 +218,15 @@ class DLMPreTrainedModel(PreTrainedModel):
         from ..conversion.hub import push_to_hub
 
         return push_to_hub(self, repo_id, **kwargs)
+
+
+@dataclass
+class DLMModelOutput(BaseModelOutput):
+    """aux_loss / router_z_loss: the MoE layers' load-balancing and z-losses, averaged over those layers
+    (unweighted; None for a dense model)."""
+
+    aux_loss: torch.Tensor | None = None
+    router_z_loss: torch.Tensor | None = None
 
 
 class DLMModel(DLMPreTrainedModel):
@@ -278,14 +307,21 @@ class DLMModel(DLMPreTrainedModel):
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, rope_positions)
         all_hidden_states = () if output_hidden_states else None
+        router_losses = [] if self.config.num_experts else None
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states[:, :seq_len],)
-            hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings, **kwargs)
+            hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings,
+                                  **({"router_losses": router_losses} if router_losses is not None else {}), **kwargs)
         hidden_states = self.norm(hidden_states[:, :seq_len])
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        return BaseModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states)
+        aux_loss = router_z_loss = None
+        if router_losses:  # means over the MoE layers
+            aux_loss = torch.stack([balance for balance, _ in router_losses]).mean()
+            router_z_loss = torch.stack([z for _, z in router_losses]).mean()
+        return DLMModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states,
+                              aux_loss=aux_loss, router_z_loss=router_z_loss)
 
     def _forward_with_cache(self, input_ids, inputs_embeds, kv_cache, **kwargs) -> BaseModelOutput:
         """Queries are canvas slots [start, start + Q) of the cache; keys are the cache's slots [0, key_end)
@@ -324,12 +360,17 @@ class DLMModel(DLMPreTrainedModel):
 
 @dataclass
 class DiffusionLMOutput(ModelOutput):
-    """loss: the weighted masked cross-entropy; num_loss_tokens: supervised positions in this batch;
-    logits: (B, L, V), left out of a training forward unless `return_logits=True`."""
+    """loss: the weighted masked cross-entropy, plus `router_loss` for an MoE model; num_loss_tokens:
+    supervised positions in this batch; logits: (B, L, V), left out of a training forward unless
+    `return_logits=True`; aux_loss / router_z_loss: the MoE routers' unweighted losses (`DLMModelOutput`);
+    router_loss: `router_aux_loss_coef * aux_loss + router_z_loss_coef * router_z_loss`."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     num_loss_tokens: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    router_z_loss: torch.Tensor | None = None
+    router_loss: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
 
@@ -400,10 +441,17 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
                 hidden_states, self.lm_head, labels, label_weights, num_items_in_batch, self.config.loss_chunk_size,
                 compiled=self.compile_loss_head, grad_in_forward=self.loss_grad_in_forward,
             )
+        aux_loss, router_z_loss = getattr(outputs, "aux_loss", None), getattr(outputs, "router_z_loss", None)
+        router_loss = None
+        if aux_loss is not None:
+            router_loss = self.config.router_aux_loss_coef * aux_loss + self.config.router_z_loss_coef * router_z_loss
+            if loss is not None:
+                loss = loss + router_loss
         if labels is None or return_logits:
             logits = self.lm_head(hidden_states)
         return DiffusionLMOutput(
-            loss=loss, logits=logits, num_loss_tokens=num_loss_tokens, hidden_states=outputs.hidden_states
+            loss=loss, logits=logits, num_loss_tokens=num_loss_tokens, hidden_states=outputs.hidden_states,
+            aux_loss=aux_loss, router_z_loss=router_z_loss, router_loss=router_loss,
         )
 
     def denoising_logits(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
@@ -415,4 +463,4 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
         return logits
 
 
-__all__ = ["DLMPreTrainedModel", "DLMModel", "DLMForDiffusionLM", "DiffusionLMOutput"]
+__all__ = ["DLMPreTrainedModel", "DLMModel", "DLMForDiffusionLM", "DiffusionLMOutput", "DLMModelOutput"]

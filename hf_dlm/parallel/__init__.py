@@ -6,6 +6,7 @@ from ..utils.lazy import lazy_exports
 
 _LAZY = {
     "parallelize_dlm": ".parallelize", "apply_tensor_parallel": ".parallelize",
+    "apply_expert_parallel": ".expert_parallel",
     "convert_to_float8": ".float8", "precompute_float8_scales": ".float8", "fp8_autocast": ".float8",
     "float8_module_filter": ".float8",
     "DelayedFloat8Linear": ".float8_delayed", "convert_to_delayed_float8": ".float8_delayed",

@@ -35,6 +35,7 @@ def parallelize_dlm(
     *,
     dp_mesh=None,
     tp_mesh=None,
+    ep_mesh=None,
     fsdp: bool = False,
     float8_recipe: str | None = None,
     float8_min_features: int = 2048,
@@ -55,6 +56,9 @@ def parallelize_dlm(
         default process group on the model's device type.
     tp_mesh: 1-D `DeviceMesh` for tensor parallel; None = no tensor parallel. Attention and KV heads
         must divide by its size. Not combined with FSDP here (that needs a 2-D mesh; use one or the other).
+    ep_mesh: 1-D `DeviceMesh` for expert parallelism (`expert_parallel.apply_expert_parallel`): MoE experts
+        sharded over it, tokens dispatched by all-to-all. With FSDP, the experts stay out of `fully_shard`
+        and `ep_mesh` must span the same ranks as `dp_mesh` (EP borrows the data-parallel ranks).
     fsdp: shard parameters, gradients and optimizer state with FSDP2 `fully_shard` (one unit per decoder
         layer, plus the root for embeddings, final norm and head). Implied by passing `dp_mesh`.
     float8_recipe: None (off), a torchao recipe ("tensorwise", "rowwise") or "delayed" (hf-dlm's delayed
@@ -102,6 +106,14 @@ def parallelize_dlm(
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh)
 
+    # 2b. expert parallel: experts sharded over ep_mesh before FSDP sees the model
+    ignored_params = set()
+    if ep_mesh is not None:
+        from .expert_parallel import apply_expert_parallel, expert_parameters
+
+        apply_expert_parallel(model, ep_mesh)
+        ignored_params = set(expert_parameters(model))
+
     # 3. activation checkpointing through the layers' own GradientCheckpointingLayer hook, so that
     #    parameter names stay as saved (a checkpoint_wrapper would insert `_checkpoint_wrapped_module.`)
     if activation_checkpointing:
@@ -127,12 +139,20 @@ def parallelize_dlm(
 
             device_type = next(model.parameters()).device.type
             dp_mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        if ep_mesh is not None and sorted(dist.get_process_group_ranks(ep_mesh.get_group())) != sorted(
+                dist.get_process_group_ranks(dp_mesh.get_group())):
+            raise NotImplementedError(
+                "parallelize_dlm: ep_mesh must span the ranks of dp_mesh; experts replicated over further data-"
+                "parallel ranks would need their own FSDP mesh (torchtitan's dp_shard_mod_ep), not built yet"
+            )
+        # experts are sharded by expert parallelism already: FSDP2 leaves them out (ignored_params)
+        shard_options = {"ignored_params": ignored_params} if ignored_params else {}
         mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for index, layer in enumerate(layers):
             # the last layer's parameters are needed again at once by backward: keep them gathered
             reshard = reshard_after_forward and index < len(layers) - 1
-            fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-        fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+            fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard, **shard_options)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False, **shard_options)
     return model
 
 

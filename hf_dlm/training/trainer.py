@@ -149,6 +149,15 @@ class DLMTrainer(Trainer):
             inputs["label_weights"] = inputs["label_weights"].detach().requires_grad_(True)
         outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
         loss = outputs.loss * loss_scale
+        router_loss = getattr(outputs, "router_loss", None)
+        if router_loss is not None and model.training:
+            # MoE router losses are means over this micro-batch's tokens, not sums over the global normaliser:
+            # take them out of the rank scaling and average them over the accumulated micro-batches
+            accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+            loss = loss - router_loss * loss_scale + router_loss / accumulation
+            self._add("router_batches", 1)
+            self._add("aux_loss", outputs.aux_loss.detach())
+            self._add("router_z_loss", outputs.router_z_loss.detach())
         if model.training:
             self._record(stats, inputs, num_items_in_batch, loss_scale, track_t)
         return (loss, outputs) if return_outputs else loss
@@ -220,6 +229,9 @@ class DLMTrainer(Trainer):
                 "mfu": float(totals["flops"]) / elapsed / (self.args.peak_flops * world)}
         if "masked" in totals:
             logs["masked_fraction"] = float(totals["masked"]) / max(tokens, 1.0)
+        if "router_batches" in totals:  # MoE: the routers' unweighted losses, mean over micro-batches and ranks
+            for name in ("aux_loss", "router_z_loss"):
+                logs[name] = float(totals[name] / totals["router_batches"])
         if "ce_sum" in totals:
             n = self.args.t_buckets
             for k in range(n):

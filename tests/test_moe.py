@@ -1,0 +1,181 @@
+"""Mixture of experts: the block against hand-computed routing, the router losses against the published
+formulas (and transformers' own function), grouped GEMM against the loop, the training loss, save / load,
+and the Qwen3-MoE converter against transformers' model in both directions."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from hf_dlm import DLMConfig, DLMForDiffusionLM
+from hf_dlm.conversion.convert import ConversionOptions, convert_checkpoint, load_as_dlm
+from hf_dlm.modeling.moe import DLMSparseMoeBlock, router_aux_losses
+from hf_dlm.modeling.modeling_dlm import DLMMLP
+from .conftest import tiny_config, tiny_model
+from .test_conversion import randomize
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+
+
+def _swiglu(x, gate_up, down):
+    gate, up = (gate_up @ x).chunk(2)
+    return down @ (F.silu(gate) * up)
+
+
+def _token_by_token(block, x):
+    """The MoE output computed one token at a time, straight from the definition."""
+    outputs = []
+    for token in x:
+        probabilities = torch.softmax(block.gate.weight @ token, dim=0)
+        weights, experts = probabilities.topk(block.top_k)
+        if block.norm_topk_prob:
+            weights = weights / weights.sum()
+        out = sum(w * _swiglu(token, block.experts.gate_up_proj[e], block.experts.down_proj[e])
+                  for w, e in zip(weights, experts.tolist()))
+        if block.shared_expert is not None:
+            out = out + torch.sigmoid(block.shared_expert_gate.weight @ token) * block.shared_expert(token)
+        outputs.append(out)
+    return torch.stack(outputs)
+
+
+@pytest.mark.parametrize("norm_topk_prob,shared", [(False, False), (True, True)])
+def test_block_equals_token_by_token_routing(norm_topk_prob, shared):
+    torch.manual_seed(0)
+    config = tiny_config(**MOE, norm_topk_prob=norm_topk_prob)
+    block = DLMSparseMoeBlock(config, DLMMLP(config, 24) if shared else None)
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(0, 0.3)
+    x = torch.randn(2, 5, 32)
+    expected = _token_by_token(block, x.reshape(-1, 32)).reshape(2, 5, 32)
+    torch.testing.assert_close(block(x), expected, atol=1e-5, rtol=0)
+
+
+def test_block_on_a_hand_built_case():
+    """Two experts of width 1, hidden 2, top-1: the router sends token (1, 0) to expert 0 and (0, 1) to
+    expert 1 with probability sigmoid(4); expert e returns silu(x_e) * x_e on coordinate e."""
+    config = tiny_config(hidden_size=2, num_attention_heads=1, num_key_value_heads=1, num_experts=2,
+                         num_experts_per_tok=1, moe_intermediate_size=1)
+    block = DLMSparseMoeBlock(config)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.tensor([[2.0, -2.0], [-2.0, 2.0]]))
+        block.experts.gate_up_proj.copy_(torch.tensor([[[1.0, 0.0], [1.0, 0.0]], [[0.0, 1.0], [0.0, 1.0]]]))
+        block.experts.down_proj.copy_(torch.tensor([[[1.0], [0.0]], [[0.0], [1.0]]]))
+    x = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [3.0, 0.0]]])
+    p = torch.sigmoid(torch.tensor(4.0))  # softmax of logits (2, -2)
+    p3 = torch.sigmoid(torch.tensor(12.0))
+    expected = torch.tensor([[[p * F.silu(torch.tensor(1.0)), 0.0], [0.0, p * F.silu(torch.tensor(1.0))],
+                              [p3 * 3 * F.silu(torch.tensor(3.0)), 0.0]]])
+    torch.testing.assert_close(block(x), expected, atol=1e-6, rtol=0)
+
+
+def test_router_losses_follow_the_published_formulas():
+    """Switch / transformers load balancing E * sum_e f_e P_e and ST-MoE's z-loss, by hand on 3 tokens."""
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
+    top = logits.topk(2, dim=-1).indices  # experts {0, 1}, {1, 0 or 2}, {1, 2}
+    probabilities = logits.softmax(-1)
+    counts = torch.zeros(3).index_add_(0, top.reshape(-1), torch.ones(6))
+    balance, z_loss = router_aux_losses(logits, top, 3)
+    torch.testing.assert_close(balance, 3 * ((counts / 3) * probabilities.mean(0)).sum())
+    lse = [torch.log(torch.exp(row).sum()) for row in logits]
+    torch.testing.assert_close(z_loss, torch.stack(lse).square().mean())
+    # transformers' load_balancing_loss_func for one layer gives the same number
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    torch.testing.assert_close(balance, load_balancing_loss_func((logits,), num_experts=3, top_k=2))
+    # a uniform router scores k
+    even = router_aux_losses(torch.zeros(4, 4), torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]]), 4)[0]
+    torch.testing.assert_close(even, torch.tensor(2.0))
+
+
+def test_grouped_mm_matches_the_loop():
+    torch.manual_seed(0)
+    config = tiny_config(**MOE)
+    block = DLMSparseMoeBlock(config)
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(0, 0.3)
+    x = torch.randn(3, 7, 32)
+    block.experts.implementation = "loop"
+    expected = block(x)
+    block.experts.implementation = "grouped_mm"  # PyTorch's CPU grouped_mm (forward) in fp32
+    torch.testing.assert_close(block(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_model_loss_adds_the_weighted_router_losses_and_dense_stays_dense():
+    model = tiny_model(**MOE, decoder_sparse_step=1, mlp_only_layers=[1], router_aux_loss_coef=0.1,
+                       router_z_loss_coef=0.01)
+    assert isinstance(model.model.layers[0].mlp, DLMSparseMoeBlock) and isinstance(model.model.layers[1].mlp, DLMMLP)
+    ids = torch.randint(0, 98, (2, 9), generator=torch.Generator().manual_seed(0))
+    labels = torch.where(torch.arange(9) % 3 == 0, ids, -100)
+    out = model(input_ids=ids, labels=labels)
+    hidden = model.model(input_ids=ids).last_hidden_state
+    ce = F.cross_entropy(model.lm_head(hidden)[labels != -100], labels[labels != -100])
+    torch.testing.assert_close(out.loss, ce + 0.1 * out.aux_loss + 0.01 * out.router_z_loss)
+    torch.testing.assert_close(out.router_loss, 0.1 * out.aux_loss + 0.01 * out.router_z_loss)
+    assert tiny_model()(input_ids=ids, labels=labels).aux_loss is None
+    assert not tiny_config().num_experts and "mlp.gate.weight" not in str(list(tiny_model().state_dict()))
+
+
+def _import_generated_code(folder):
+    """hf-dlm's generated remote-code files imported as a package of their own (they import no hf_dlm)."""
+    import importlib
+    import sys
+
+    from hf_dlm.conversion.remote_code import generate_remote_code
+
+    package = folder / "generated_dlm"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    files = generate_remote_code()
+    assert "# ---- from hf_dlm/modeling/moe.py ----" in files["modeling_dlm.py"]  # the MoE block pasted in
+    for name, source in files.items():
+        (package / name).write_text(source)
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module("generated_dlm.modeling_dlm")
+    finally:
+        sys.path.remove(str(folder))
+
+
+def test_save_load_round_trip_and_remote_code(tmp_path):
+    model = tiny_model(**MOE, shared_expert_intermediate_size=24, router_z_loss_coef=0.001)
+    randomize(model)
+    model.save_pretrained(tmp_path / "saved")
+    assert DLMConfig.from_pretrained(tmp_path / "saved").to_dict()["num_experts"] == 4
+    ids = torch.randint(0, 98, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        loaded = DLMForDiffusionLM.from_pretrained(tmp_path / "saved", attn_implementation="eager")
+        torch.testing.assert_close(loaded(input_ids=ids).logits, expected, atol=0, rtol=0)
+        # the self-contained remote code carries the MoE block too
+        generated = _import_generated_code(tmp_path)
+        remote = generated.DLMForDiffusionLM.from_pretrained(tmp_path / "saved", attn_implementation="eager").eval()
+        assert type(remote.model.layers[0].mlp).__module__ == "generated_dlm.modeling_dlm"
+        torch.testing.assert_close(remote(input_ids=ids).logits, expected, atol=0, rtol=0)
+
+
+def test_qwen3_moe_converts_both_ways_at_1e5(tmp_path):
+    """transformers' tiny random Qwen3-MoE -> hf-dlm (causal, same logits) -> Qwen3-MoE (same logits again);
+    one dense layer (mlp_only_layers) and renormalised top-k, so every path of the layout is exercised."""
+    config = Qwen3MoeConfig(vocab_size=99, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                            max_position_embeddings=64, tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    source = randomize(Qwen3MoeForCausalLM(config))
+    source.save_pretrained(tmp_path / "qwen3_moe")
+    assert any(".mlp.experts.3.up_proj.weight" in key for key in load_file(tmp_path / "qwen3_moe" / "model.safetensors"))
+    dlm, *_ = load_as_dlm("qwen3_moe", tmp_path / "qwen3_moe", ConversionOptions(attention_mode="causal"))
+    assert dlm.config.num_experts == 4 and dlm.config.norm_topk_prob and dlm.config.mlp_only_layers == [1]
+    ids = torch.randint(0, 99, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = source(input_ids=ids).logits
+        torch.testing.assert_close(dlm(input_ids=ids).logits[..., :99], expected, atol=1e-5, rtol=0)
+
+    dlm.save_pretrained(tmp_path / "dlm")
+    convert_checkpoint("dlm", tmp_path / "dlm", tmp_path / "back", to="qwen3_moe")
+    back = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits[..., :99], expected, atol=1e-5, rtol=0)

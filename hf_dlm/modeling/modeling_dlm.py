@@ -164,18 +164,13 @@ class DLMDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = DLMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DLMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, router_losses=None,
-                **kwargs) -> torch.Tensor:
-        """router_losses: a list the MoE block appends its (load-balancing, z) losses to (None: not collected)."""
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs) -> torch.Tensor:
         residual = hidden_states
         hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, **kwargs
         )
         hidden_states = residual + hidden_states
-        mlp_input = self.post_attention_layernorm(hidden_states)
-        if isinstance(self.mlp, DLMSparseMoeBlock):
-            return hidden_states + self.mlp(mlp_input, router_losses)
-        return hidden_states + self.mlp(mlp_input)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
 class DLMPreTrainedModel(PreTrainedModel):
@@ -307,21 +302,29 @@ class DLMModel(DLMPreTrainedModel):
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, rope_positions)
         all_hidden_states = () if output_hidden_states else None
-        router_losses = [] if self.config.num_experts else None
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states[:, :seq_len],)
-            hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings,
-                                  **({"router_losses": router_losses} if router_losses is not None else {}), **kwargs)
+            hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings, **kwargs)
         hidden_states = self.norm(hidden_states[:, :seq_len])
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        aux_loss = router_z_loss = None
-        if router_losses:  # means over the MoE layers
-            aux_loss = torch.stack([balance for balance, _ in router_losses]).mean()
-            router_z_loss = torch.stack([z for _, z in router_losses]).mean()
+        aux_loss, router_z_loss = self._collect_router_losses()
         return DLMModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states,
                               aux_loss=aux_loss, router_z_loss=router_z_loss)
+
+    def _collect_router_losses(self):
+        """The MoE layers' (load-balancing, z) losses of the forward just run, each a mean over the layers.
+        The blocks keep them as an attribute (a list handed down through the layers' kwargs would be copied
+        by FSDP2's and checkpointing's input handling); reading clears them."""
+        losses = []
+        for layer in self.layers:
+            if isinstance(layer.mlp, DLMSparseMoeBlock) and layer.mlp.router_losses is not None:
+                losses.append(layer.mlp.router_losses)
+                layer.mlp.router_losses = None
+        if not losses:
+            return None, None
+        return torch.stack([balance for balance, _ in losses]).mean(), torch.stack([z for _, z in losses]).mean()
 
     def _forward_with_cache(self, input_ids, inputs_embeds, kv_cache, **kwargs) -> BaseModelOutput:
         """Queries are canvas slots [start, start + Q) of the cache; keys are the cache's slots [0, key_end)

@@ -90,8 +90,8 @@ class DLMExperts(nn.Module):
 
 class DLMSparseMoeBlock(nn.Module):
     """Top-k token-choice MoE (Qwen3-MoE semantics), dropless, plus an optional gated shared expert
-    (Qwen2-MoE). forward(hidden_states (B, L, H), router_losses: a list that receives this layer's
-    (load-balancing, z) losses, or None) -> (B, L, H)."""
+    (Qwen2-MoE). forward(hidden_states (B, L, H)) -> (B, L, H); the forward leaves this layer's
+    (load-balancing, z) losses in `router_losses`, where the model collects them."""
 
     def __init__(self, config, shared_expert: nn.Module | None = None):
         super().__init__()
@@ -103,6 +103,7 @@ class DLMSparseMoeBlock(nn.Module):
         self.shared_expert = shared_expert
         if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.router_losses = None
 
     def route(self, hidden_states: torch.Tensor):
         """(N, H) -> router logits (N, E), top-k weights (N, k) fp32, top-k expert ids (N, k)."""
@@ -113,12 +114,13 @@ class DLMSparseMoeBlock(nn.Module):
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         return router_logits, top_weights, top_experts
 
-    def forward(self, hidden_states: torch.Tensor, router_losses: list | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         hidden_states = hidden_states.reshape(-1, shape[-1])  # (N, H)
         router_logits, top_weights, top_experts = self.route(hidden_states)
-        if router_losses is not None and hidden_states.shape[0] > 0:
-            router_losses.append(router_aux_losses(router_logits, top_experts, self.num_experts))
+        self.router_losses = None
+        if hidden_states.shape[0] > 0:
+            self.router_losses = router_aux_losses(router_logits, top_experts, self.num_experts)
 
         # dispatch: the N * k assignments sorted by expert (stable, so a token's rows keep their order)
         flat_experts = top_experts.reshape(-1)  # (N * k,)

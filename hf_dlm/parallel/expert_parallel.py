@@ -17,15 +17,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from ..modeling.moe import DLMExperts
 
 
 def _all_to_all(tokens: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
-    """Autograd-aware variable-size all-to-all of rows (its backward is the reverse all-to-all)."""
-    output = tokens.new_empty(sum(output_splits), *tokens.shape[1:])
-    return all_to_all_single(output, tokens.contiguous(), output_splits, input_splits, group=group)
+    """Autograd-aware variable-size all-to-all of rows (its backward is the reverse all-to-all). The functional
+    collective, as torchtitan uses: `torch.distributed.nn.functional.all_to_all_single` is deprecated."""
+    return all_to_all_single_autograd(tokens.contiguous(), output_splits, input_splits, group)
 
 
 def _dispatch(module: DLMExperts, args):

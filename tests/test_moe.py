@@ -179,3 +179,31 @@ def test_qwen3_moe_converts_both_ways_at_1e5(tmp_path):
     back = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(input_ids=ids).logits[..., :99], expected, atol=1e-5, rtol=0)
+
+
+def test_trainer_averages_router_losses_over_accumulation_and_logs_them(tmp_path):
+    """DLMTrainer, 2 accumulated micro-batches: the step's gradient is that of the CE (global normaliser) plus
+    the mean of the micro-batches' router losses, and the log shows their unweighted losses."""
+    import copy
+
+    from .trainer_utils import RecordingTrainer, make_args, random_dataset
+
+    model = tiny_model(**MOE, router_aux_loss_coef=0.5, router_z_loss_coef=0.1).train()
+    initial = copy.deepcopy(model)
+    trainer = RecordingTrainer(model=model, train_dataset=random_dataset(),
+                               args=make_args(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                                              max_steps=1, optim="sgd", max_grad_norm=0.0, random_length_prob=0.0))
+    trainer.train()
+    batches = trainer.batches[0]
+    num_items = sum(b["_dlm_stats"]["items"] for b in batches).clamp(min=1)
+    aux, z = [], []
+    for batch in batches:
+        out = initial(**{k: v for k, v in batch.items() if k != "_dlm_stats"}, num_items_in_batch=num_items)
+        (out.loss - out.router_loss + out.router_loss / len(batches)).backward()
+        aux.append(out.aux_loss.item())
+        z.append(out.router_z_loss.item())
+    for name, parameter in initial.named_parameters():
+        torch.testing.assert_close(trainer.grads[0][name], parameter.grad, rtol=1e-5, atol=1e-7, msg=name)
+    log = trainer.state.log_history[0]
+    assert log["aux_loss"] == pytest.approx(sum(aux) / 2, rel=1e-5)
+    assert log["router_z_loss"] == pytest.approx(sum(z) / 2, rel=1e-5)

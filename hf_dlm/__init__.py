@@ -55,6 +55,7 @@ _LAZY = {
     "preprocess": ".data.preprocess",
     # parallel
     "parallelize_dlm": ".parallel.parallelize",
+    "apply_expert_parallel": ".parallel.expert_parallel",
     "convert_to_float8": ".parallel.float8",
     "precompute_float8_scales": ".parallel.float8",
     "fp8_autocast": ".parallel.float8",

@@ -84,6 +84,12 @@ def test_router_losses_follow_the_published_formulas():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     torch.testing.assert_close(balance, load_balancing_loss_func((logits,), num_experts=3, top_k=2))
+    # padding left out, as transformers' attention_mask argument does
+    mask = torch.tensor([1, 0, 1])
+    balance, z_loss = router_aux_losses(logits, top, 3, mask)
+    torch.testing.assert_close(balance, load_balancing_loss_func((logits,), num_experts=3, top_k=2,
+                                                                 attention_mask=mask[None]))
+    torch.testing.assert_close(z_loss, (lse[0] ** 2 + lse[2] ** 2) / 2)
     # a uniform router scores k
     even = router_aux_losses(torch.zeros(4, 4), torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]]), 4)[0]
     torch.testing.assert_close(even, torch.tensor(2.0))
@@ -115,6 +121,15 @@ def test_model_loss_adds_the_weighted_router_losses_and_dense_stays_dense():
     torch.testing.assert_close(out.loss, ce + 0.1 * out.aux_loss + 0.01 * out.router_z_loss)
     torch.testing.assert_close(out.router_loss, 0.1 * out.aux_loss + 0.01 * out.router_z_loss)
     assert tiny_model()(input_ids=ids, labels=labels).aux_loss is None
+    # padded positions do not count: other token ids there leave both router losses unchanged
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    attention_mask[1, :4] = 0
+    other_ids = ids.clone()
+    other_ids[1, :4] = (ids[1, :4] + 7) % 98
+    first, second = (model(input_ids=x, attention_mask=attention_mask, labels=labels) for x in (ids, other_ids))
+    torch.testing.assert_close(first.aux_loss, second.aux_loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(first.router_z_loss, second.router_z_loss, rtol=0, atol=1e-6)
+    assert model(input_ids=other_ids, labels=labels).router_z_loss != second.router_z_loss
     assert not tiny_config().num_experts and "mlp.gate.weight" not in str(list(tiny_model().state_dict()))
 
 

@@ -302,6 +302,7 @@ class DLMModel(DLMPreTrainedModel):
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, rope_positions)
         all_hidden_states = () if output_hidden_states else None
+        self._set_router_token_mask(key_padding if key_padding is not None and key_padding.dim() == 2 else None)
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states[:, :seq_len],)
@@ -309,9 +310,16 @@ class DLMModel(DLMPreTrainedModel):
         hidden_states = self.norm(hidden_states[:, :seq_len])
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
+        self._set_router_token_mask(None)
         aux_loss, router_z_loss = self._collect_router_losses()
         return DLMModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states,
                               aux_loss=aux_loss, router_z_loss=router_z_loss)
+
+    def _set_router_token_mask(self, token_mask):
+        """Padding (B, L) for the MoE blocks' router losses during one forward (None: every token is real)."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, DLMSparseMoeBlock):
+                layer.mlp.token_mask = token_mask
 
     def _collect_router_losses(self):
         """The MoE layers' (load-balancing, z) losses of the forward just run, each a mean over the layers.

@@ -21,20 +21,26 @@ def _grouped_mm_function():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-def router_aux_losses(router_logits: torch.Tensor, top_experts: torch.Tensor, num_experts: int):
-    """(load-balancing loss, z-loss) of one MoE layer. router_logits (N, E), top_experts (N, k).
+def router_aux_losses(router_logits: torch.Tensor, top_experts: torch.Tensor, num_experts: int,
+                      token_mask: torch.Tensor | None = None):
+    """(load-balancing loss, z-loss) of one MoE layer. router_logits (N, E), top_experts (N, k), token_mask
+    (N,) with 0 for padding (left out of both losses, as transformers' `attention_mask` argument does).
 
     Load balancing (Switch Transformer eq. 4, in transformers' top-k form): `E * sum_e f_e * P_e`, f_e the
-    number of top-k assignments to expert e over N (sums to k), P_e the mean router probability of e;
-    it is k for a uniform router. z-loss (ST-MoE eq. 5): mean over tokens of logsumexp(logits)^2.
+    number of top-k assignments to expert e over the number of tokens (sums to k), P_e the mean router
+    probability of e; it is k for a uniform router. z-loss (ST-MoE eq. 5): mean over tokens of
+    logsumexp(logits)^2.
     """
     logits = router_logits.float()
-    num_tokens = logits.shape[0]
-    assigned = torch.bincount(top_experts.reshape(-1), minlength=num_experts).float()  # (E,)
+    weights = torch.ones_like(logits[:, 0]) if token_mask is None else token_mask.reshape(-1).to(logits.dtype)
+    num_tokens = weights.sum().clamp(min=1)
+    top_k = top_experts.shape[-1]
+    assigned = torch.bincount(top_experts.reshape(-1), weights=weights.repeat_interleave(top_k),
+                              minlength=num_experts)  # (E,)
     fraction = assigned / num_tokens
-    mean_probability = logits.softmax(dim=-1).mean(0)  # (E,)
+    mean_probability = (logits.softmax(dim=-1) * weights[:, None]).sum(0) / num_tokens  # (E,)
     balance = num_experts * (fraction * mean_probability).sum()
-    z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+    z_loss = (torch.logsumexp(logits, dim=-1).square() * weights).sum() / num_tokens
     return balance, z_loss
 
 
@@ -91,7 +97,8 @@ class DLMExperts(nn.Module):
 class DLMSparseMoeBlock(nn.Module):
     """Top-k token-choice MoE (Qwen3-MoE semantics), dropless, plus an optional gated shared expert
     (Qwen2-MoE). forward(hidden_states (B, L, H)) -> (B, L, H); the forward leaves this layer's
-    (load-balancing, z) losses in `router_losses`, where the model collects them."""
+    (load-balancing, z) losses in `router_losses`, where the model collects them, computed over the tokens
+    that `token_mask` (B, L), set by the model for the duration of its forward, marks real."""
 
     def __init__(self, config, shared_expert: nn.Module | None = None):
         super().__init__()
@@ -103,7 +110,7 @@ class DLMSparseMoeBlock(nn.Module):
         self.shared_expert = shared_expert
         if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-        self.router_losses = None
+        self.router_losses = self.token_mask = None
 
     def route(self, hidden_states: torch.Tensor):
         """(N, H) -> router logits (N, E), top-k weights (N, k) fp32, top-k expert ids (N, k)."""
@@ -120,7 +127,7 @@ class DLMSparseMoeBlock(nn.Module):
         router_logits, top_weights, top_experts = self.route(hidden_states)
         self.router_losses = None
         if hidden_states.shape[0] > 0:
-            self.router_losses = router_aux_losses(router_logits, top_experts, self.num_experts)
+            self.router_losses = router_aux_losses(router_logits, top_experts, self.num_experts, self.token_mask)
 
         # dispatch: the N * k assignments sorted by expert (stable, so a token's rows keep their order)
         flat_experts = top_experts.reshape(-1)  # (N * k,)

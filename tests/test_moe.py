@@ -194,6 +194,8 @@ def test_qwen3_moe_converts_both_ways_at_1e5(tmp_path):
     back = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(input_ids=ids).logits[..., :99], expected, atol=1e-5, rtol=0)
+    with pytest.raises(NotImplementedError, match="MoE"):  # the dense Megatron map would drop the experts
+        convert_checkpoint("dlm", tmp_path / "dlm", tmp_path / "megatron", to="megatron")
 
 
 def test_trainer_averages_router_losses_over_accumulation_and_logs_them(tmp_path):

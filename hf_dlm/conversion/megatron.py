@@ -50,6 +50,9 @@ def _split_qkv(qkv: torch.Tensor, heads: int, groups: int, head_dim: int):
 
 def dlm_to_megatron(state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """hf-dlm state dict -> Megatron GPT state dict."""
+    if getattr(config, "num_experts", 0):  # the dense map below would silently drop the experts
+        raise NotImplementedError("Megatron export of MoE models (num_experts > 0) is not built; "
+                                  "export with --to qwen3_moe or keep the hf-dlm folder")
     groups = config.num_key_value_heads
     out = {"embedding.word_embeddings.weight": state_dict["model.embed_tokens.weight"],
            "decoder.final_layernorm.weight": state_dict["model.norm.weight"]}

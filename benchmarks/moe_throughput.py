@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 from hf_dlm import DLMConfig, DLMForDiffusionLM  # noqa: E402
-from hf_dlm.modeling.moe import DLMSparseMoeBlock  # noqa: E402
+from hf_dlm.modeling.moe import DLMSparseMoeBlock, active_parameter_count  # noqa: E402
 
 
 def shapes(tiny: bool) -> dict:
@@ -51,16 +51,6 @@ def build(spec: dict, variant: str, device: str) -> DLMForDiffusionLM:
     with torch.device(device):
         model = DLMForDiffusionLM(config)
     return model.to(torch.bfloat16).train()
-
-
-def active_parameters(model) -> tuple[int, int]:
-    total = sum(p.numel() for p in model.parameters())
-    inactive = 0
-    for module in model.modules():
-        if isinstance(module, DLMSparseMoeBlock):
-            experts = module.experts.gate_up_proj.numel() + module.experts.down_proj.numel()
-            inactive += experts * (module.num_experts - module.top_k) // module.num_experts
-    return total, total - inactive
 
 
 def check_grouped_against_loop(spec: dict, device: str) -> dict:
@@ -89,7 +79,7 @@ def check_grouped_against_loop(spec: dict, device: str) -> dict:
 
 def time_variant(spec: dict, variant: str, device: str, warmup: int, steps: int) -> dict:
     model = build(spec, variant, device)
-    total, active = active_parameters(model)
+    total, active = sum(p.numel() for p in model.parameters()), active_parameter_count(model)
     generator = torch.Generator(device=device).manual_seed(0)
     vocab, seq, mbs = spec["common"]["vocab_size"], spec["seq"], spec["mbs"]
     ids = torch.randint(0, vocab - 1, (mbs, seq), device=device, generator=generator)

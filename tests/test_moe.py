@@ -245,3 +245,13 @@ def test_compiled_and_checkpointed_layers_give_the_same_loss_and_gradients():
     torch.testing.assert_close(out.router_z_loss, expected.router_z_loss, rtol=0, atol=1e-6)
     for (name, parameter), ref in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(parameter.grad, ref.grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_active_parameters_count_top_k_of_the_experts():
+    from hf_dlm.modeling.moe import active_parameter_count
+
+    model = tiny_model(**MOE, mlp_only_layers=[1])
+    experts = 4 * (2 * 16 * 32 + 32 * 16)  # one MoE layer: gate_up (E, 2I, H) + down (E, H, I)
+    total = sum(p.numel() for p in model.parameters())
+    assert active_parameter_count(model) == total - experts // 2  # top-2 of 4: half of the experts idle
+    assert active_parameter_count(tiny_model()) == sum(p.numel() for p in tiny_model().parameters())

@@ -143,4 +143,15 @@ class DLMSparseMoeBlock(nn.Module):
         return output.reshape(shape)
 
 
-__all__ = ["DLMExperts", "DLMSparseMoeBlock", "router_aux_losses"]
+def active_parameter_count(model: nn.Module) -> int:
+    """Parameters one token runs through: all, less the (E - k) / E share of every MoE layer's experts (the
+    N of the 6N FLOPs-per-token count)."""
+    total = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, DLMSparseMoeBlock):
+            experts = module.experts.gate_up_proj.numel() + module.experts.down_proj.numel()
+            total -= experts * (module.num_experts - module.top_k) // module.num_experts
+    return total
+
+
+__all__ = ["DLMExperts", "DLMSparseMoeBlock", "router_aux_losses", "active_parameter_count"]

@@ -1,5 +1,5 @@
-"""Speed and scale: `parallelize_dlm` (tensor parallel, activation checkpointing, per-block compile,
-FSDP2, in torchtitan's order) and the float8 converters (torchao recipes, hf-dlm's delayed recipe,
+"""Speed and scale: `parallelize_dlm` (tensor parallel, expert parallel, activation checkpointing,
+per-block compile, FSDP2, in torchtitan's order) and the float8 converters (torchao recipes, hf-dlm's delayed recipe,
 Transformer Engine). Names load on first access; torchao and Transformer Engine only when used."""
 
 from ..utils.lazy import lazy_exports

@@ -178,10 +178,12 @@ class DLMTrainer(Trainer):
         self._window[name] = self._window[name] + value if name in self._window else value
 
     def _flops_per_token(self, length: int) -> float:
-        """6N + 12 * layers * hidden * seq (PaLM's count; full attention, right for bidirectional models)."""
+        """6N + 12 * layers * hidden * seq (PaLM's count; full attention, right for bidirectional models);
+        N counts the parameters a token runs through (an MoE layer's top-k experts, not all of them)."""
         if self._flops_per_token_fixed is None:
-            model = self.accelerator.unwrap_model(self.model)
-            self._flops_per_token_fixed = 6 * sum(p.numel() for p in model.parameters())
+            from ..modeling.moe import active_parameter_count
+
+            self._flops_per_token_fixed = 6 * active_parameter_count(self.accelerator.unwrap_model(self.model))
         config = self.accelerator.unwrap_model(self.model).config
         return self._flops_per_token_fixed + 12 * config.num_hidden_layers * config.hidden_size * length
 

@@ -140,6 +140,8 @@ class DLMAttention(nn.Module):
             key, value = kv_cache.update(self.layer_idx, key, value)
 
         implementation = self.config._attn_implementation or "eager"
+        if type(attention_mask).__name__ == "BlockMask":  # structured mask on CUDA (masks.document_attention_implementation)
+            implementation = "flex_attention"
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         context = sdpa_backend_context(self.config.sdpa_backends, query.device) if implementation == "sdpa" else nullcontext()
         with context:
@@ -274,6 +276,7 @@ class DLMModel(DLMPreTrainedModel):
             position_ids=position_ids,
             packed=packed,
             two_stream=two_stream,
+            structured_kernel=True,
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, rope_positions)

@@ -28,7 +28,10 @@ _BLOCK_MASK_CACHE_SIZE = 8
 
 
 def _is_compiling() -> bool:
-    return torch.compiler.is_compiling()
+    """Tracing or capturing: no host syncs (a CUDA graph capture fails on one)."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def document_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:

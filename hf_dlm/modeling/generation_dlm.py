@@ -175,6 +175,25 @@ class DiffusionSampler:
         cond, uncond = logits.chunk(2)
         return uncond + (self.config.cfg_scale + 1) * (cond - uncond)
 
+    def _capture(self, past, tensors):
+        """A `CapturedStep`, or None (eager steps from now on, said once) if no SDPA kernel captures. cuDNN's
+        SDPA has failed under capture where flash did not: a failure is retried once without it (the
+        backends only matter while capturing: replays run the recorded kernels)."""
+        config = self.model.config
+        backends = list(getattr(config, "sdpa_backends", None) or [])
+        for attempt in ([backends, [b for b in backends if b != "cudnn"]] if "cudnn" in backends else [backends]):
+            try:
+                config.sdpa_backends = attempt
+                return CapturedStep(self.model, past, tensors)
+            except RuntimeError as error:
+                failure = error
+            finally:
+                config.sdpa_backends = backends
+        warnings.warn(f"generate: the cached step could not be captured as a CUDA graph ({failure}); running it "
+                      "eagerly", stacklevel=5)
+        self.capture_steps = False
+        return None
+
     def _window_step(self, x, window, query_start, query_end):
         """An approximate cache's window step with every row in the forward: `static_forward` against the
         stored keys / values (the refresh at the block start wrote them), the same shapes at every step
@@ -195,12 +214,7 @@ class DiffusionSampler:
         step = self.step_graphs.get(shape)
         if step is None and x.is_cuda and self.capture_steps:
             if shape in self.step_graphs:  # seen once: capture now (one-off shapes never pay for a capture)
-                try:
-                    step = self.step_graphs[shape] = CapturedStep(self.model, past, tensors)
-                except RuntimeError as error:  # a kernel that cannot be captured: eager steps, said once
-                    warnings.warn(f"generate: the cached step could not be captured as a CUDA graph ({error}); "
-                                  "running it eagerly", stacklevel=4)
-                    self.capture_steps = False
+                step = self.step_graphs[shape] = self._capture(past, tensors)
             else:
                 self.step_graphs[shape] = None
         if step is not None:

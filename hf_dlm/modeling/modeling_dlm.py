@@ -304,7 +304,7 @@ class DLMModel(DLMPreTrainedModel):
     def forward_window(self, input_ids, inputs_embeds, position_ids, key_padding, key_position_ids, kv_cache,
                        **kwargs) -> torch.Tensor:
         """The samplers' forward: queries (b, Q) at `position_ids` against keys (b, K) described by
-        `key_padding` (1 = real) and `key_position_ids`, whose keys / values `kv_cache` supplies (its
+        `key_padding` (1 = real; None: no padding) and `key_position_ids`, whose keys / values `kv_cache` supplies (its
         `update(layer_idx, key, value)` returns all keys). Queries sit at the end of the keys, or, for
         bidirectional dual caching, anywhere: only the padded-query self-clause reads the offset.
         -> final-normed hidden states (b, Q, H)."""
@@ -313,7 +313,7 @@ class DLMModel(DLMPreTrainedModel):
         batch_size, query_len = inputs_embeds.shape[:2]
         mask = build_attention_mask(
             self.config._attn_implementation or "eager", self.config.attention_mode, self.config.block_size,
-            batch_size, query_len, key_padding.shape[1], inputs_embeds.device, inputs_embeds.dtype,
+            batch_size, query_len, key_position_ids.shape[1], inputs_embeds.device, inputs_embeds.dtype,
             attention_mask=key_padding, position_ids=key_position_ids,
         )
         hidden_states = inputs_embeds

@@ -21,6 +21,9 @@ Caches (`cache`):
 
 `compile` (generation_compile.py) runs the forward through `torch.compile` with static shapes (whole
 batch, block-sized windows) so that CUDA graphs can capture it; the tokens equal the eager sampler's.
+Without it, an approximate cache's window step with every row in the forward goes through the same
+static `static_forward` and, on CUDA, replays a CUDA graph captured the second time its shape is seen
+(`CapturedStep`, no compilation): at 8B and batch 1 the eager window step is otherwise launch-bound.
 Host syncs: one per step (whether any row still has work: which rows go into the forward, or, compiled,
 whether the block is done), one per block (are all rows done; the exact cache adds its span), and the
 streamer one per step.

@@ -90,11 +90,12 @@ def make_mask_mod(
     return mask_mod
 
 
-def dense_mask(mask_mod: MaskMod, batch_size: int, query_length: int, key_length: int, device) -> torch.Tensor:
-    """Evaluate a mask mod on a broadcast grid: (B, 1, Q, K) bool."""
+def dense_mask(mask_mod: MaskMod, batch_size: int, query_length: int, key_length: int, device,
+               query_start: int = 0) -> torch.Tensor:
+    """Evaluate a mask mod on a broadcast grid: (B, 1, Q, K) bool for queries query_start ... + Q."""
     b = torch.arange(batch_size, device=device).view(-1, 1, 1, 1)
     h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-    q = torch.arange(query_length, device=device).view(1, 1, -1, 1)
+    q = torch.arange(query_start, query_start + query_length, device=device).view(1, 1, -1, 1)
     kv = torch.arange(key_length, device=device).view(1, 1, 1, -1)
     return mask_mod(b, h, q, kv).expand(batch_size, 1, query_length, key_length)
 
@@ -111,9 +112,9 @@ def block_mask_from_mod(mask_mod: MaskMod, batch_size: int, query_length: int, k
     """A FlexAttention `BlockMask` for `mask_mod`, classified tile by tile from the mask evaluated on
     broadcast index grids, `BLOCK_MASK_QUERY_CHUNK` queries at a time.
 
-    Hand-written rather than `create_block_mask`: that evaluates the mask mod under `vmap`, whose
-    index gathers (document / block ids) materialise (B, Q, K) int64 intermediates (512 MiB per
-    tensor at 4 x 4096 tokens, 32 GiB at 32k), where broadcasting needs one (B, 1, chunk, K) bool grid.
+    Hand-written rather than `create_block_mask` (whose tiles it reproduces: tested): that evaluates the
+    mask mod under `vmap` on the whole (B, H, Q, K) grid at once (4 GiB of booleans alone for 4 rows of
+    32k tokens, more in the index gathers' intermediates), where this needs one (B, 1, chunk, K) grid.
     Tiles that are entirely allowed are "full" (the kernel skips the mask mod there), tiles with no
     allowed pair are skipped, the rest evaluate `mask_mod` in the kernel."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -124,11 +125,7 @@ def block_mask_from_mod(mask_mod: MaskMod, batch_size: int, query_length: int, k
     chunk = max(tile, BLOCK_MASK_QUERY_CHUNK // tile * tile)
     for q_start in range(0, query_length, chunk):
         q_end = min(query_length, q_start + chunk)
-        b = torch.arange(batch_size, device=device).view(-1, 1, 1, 1)
-        h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-        q = torch.arange(q_start, q_end, device=device).view(1, 1, -1, 1)
-        kv = torch.arange(key_length, device=device).view(1, 1, 1, -1)
-        allowed = mask_mod(b, h, q, kv).expand(batch_size, 1, q_end - q_start, key_length)
+        allowed = dense_mask(mask_mod, batch_size, q_end - q_start, key_length, device, query_start=q_start)
         # pad to whole tiles with False: ragged edge tiles count as partial, where the mask mod decides
         q_tiles = -(-(q_end - q_start) // tile)
         allowed = torch.nn.functional.pad(allowed, (0, key_tiles * tile - key_length, 0, q_tiles * tile - (q_end - q_start)))
@@ -148,10 +145,12 @@ def document_attention_implementation(implementation: str, device: torch.device)
     """Which kernel a forward whose mask has structure (packed documents, block diffusion, padding) runs.
 
     On CUDA, SDPA (the default) with such a mask would take a dense (B, 1, Q, K) mask, which rules out
-    cuDNN / flash and makes the kernel visit every query-key pair, also across documents: measured on an
-    H200 (1.7B, 4096 tokens, documents of ~650), 35.9k tokens/s against 46.3k for FlexAttention, which
-    skips the empty tiles. So SDPA runs FlexAttention there, without the user asking. CPU keeps SDPA with
-    the dense mask (FlexAttention has no fast CPU path outside `torch.compile`)."""
+    cuDNN / flash and makes the kernel visit every query-key pair, also across documents. Measured on an
+    H200 (4 x 4096 tokens, documents of ~650, fwd+bwd): dense-mask SDPA 6.7 ms, FlexAttention 1.95 ms,
+    `torch.nn.attention.varlen` 2.5 ms, FlashAttention-4 varlen 2.0 ms; a 1.7B model trains at 35.9k
+    tokens/s with the dense mask and 50.0k with FlexAttention (benchmarks/RESULTS.md). So SDPA runs
+    FlexAttention there, without the user asking. CPU keeps SDPA with the dense mask (FlexAttention has
+    no fast CPU path outside `torch.compile`)."""
     if implementation == "sdpa" and device.type == "cuda":
         return "flex_attention"
     return implementation

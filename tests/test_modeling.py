@@ -280,3 +280,20 @@ def test_sdpa_model_through_the_structured_kernel_matches_eager(monkeypatch, cas
         got = set_attn(model, "sdpa")(ids, **kwargs).logits[:, keep]
     assert routed == ["sdpa"], "the structured-kernel choice was not consulted"
     torch.testing.assert_close(got, reference, rtol=0, atol=1e-5)
+
+
+def test_block_masks_of_data_independent_layouts_are_reused():
+    """No padding, no documents: the BlockMask depends on the shapes only and is built once; packed
+    documents (data-dependent) get a fresh one."""
+    from hf_dlm.modeling.masks import build_attention_mask
+
+    def build(**kwargs):
+        return build_attention_mask("flex_attention", "block", 4, 2, 32, 32, "cpu", torch.float32, two_stream=True,
+                                    **kwargs)
+
+    first = build()
+    assert build() is first
+    assert build(position_ids=torch.arange(16).expand(2, -1)) is first  # the plain layout, given explicitly
+    packed = torch.cat([torch.arange(6), torch.arange(10)]).expand(2, -1)
+    assert build(position_ids=packed, packed=True) is not first
+    assert torch.equal(build(position_ids=packed, packed=True).to_dense(), build(position_ids=packed, packed=True).to_dense())

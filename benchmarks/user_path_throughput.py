@@ -9,7 +9,7 @@ trainer's own `tokens_per_second` log entries (one per `logging_steps` window; t
 compilation and is left out).
 
     python benchmarks/user_path_throughput.py --out results/          # one H200, ~2 minutes
-    python benchmarks/user_path_throughput.py --tiny --out /tmp/up     # CPU smoke run of the same path
+    python benchmarks/user_path_throughput.py --tiny                     # CPU smoke run of the same path
 
 `--set SECTION.KEY=VALUE` is passed on to `hf-dlm train` (e.g. `--set training.low_precision_residual=true`).
 """

@@ -127,6 +127,13 @@ SUITES["bf16best"] = {
     "bf16 residual stream, micro-batch 12": RES + " --mbs 12",
     "bf16 residual stream, micro-batch 8": RES + " --mbs 8",
 }
+# packed documents (the indexed-data path: position_ids restart at every document) against unpacked windows;
+# the default picks FlexAttention for them on CUDA (hf_dlm/modeling/masks.py), "--dense-mask" is the old SDPA path
+SUITES["packed"] = {
+    "unpacked, bf16 residual stream": RES,
+    "packed documents (~650 tokens), default kernel (FlexAttention)": RES + " --packed-docs 650",
+    "packed documents (~650 tokens), SDPA with a dense mask (before)": RES + " --packed-docs 650 --dense-mask",
+}
 SUITES["all"] = {**SUITES["core"], **SUITES["levers"]}
 
 
@@ -177,6 +184,11 @@ def parse_args(argv=None):
     p.add_argument("--low-precision-residual", action="store_true",
                    help="residual stream in bf16 under autocast (embeddings cast), as bf16 weights would give")
     p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every decoder layer")
+    p.add_argument("--packed-docs", type=int, default=0,
+                   help="pack documents of this mean length (uniform in [mean/6, 11 mean/6]) into every row: "
+                        "position_ids restart at each document, as the indexed-data path gives (0: unpacked)")
+    p.add_argument("--dense-mask", action="store_true",
+                   help="packed: SDPA with a dense (B, 1, L, L) mask instead of the kernel hf-dlm picks")
     p.add_argument("--loss-chunk", type=int, default=4096, help="DLMConfig.loss_chunk_size")
     p.add_argument("--peak", type=float, default=989e12, help="peak FLOP/s for MFU")
     p.add_argument("--profile", action="store_true",
@@ -266,8 +278,15 @@ def run_one(a) -> dict:
                                   foreach=True if a.no_fused_optimizer or a.tiny else None)
     autocast = torch.autocast(device, dtype=torch.bfloat16)
 
-    def loss_fn(input_ids, sample_index):
+    if a.dense_mask:  # the path before packed batches took FlexAttention on CUDA
+        from hf_dlm.modeling import masks
+
+        masks.document_attention_implementation = lambda implementation, device: implementation
+
+    def loss_fn(input_ids, sample_index, position_ids=None):
         inputs = objective.corrupt(input_ids, sample_index)
+        if position_ids is not None:
+            inputs["position_ids"] = position_ids
         if a.head == "full":  # same loss, but every position goes through the head
             inputs["labels"] = input_ids
         kwargs = {k: v for k, v in inputs.items() if k not in ("t", "masked")}
@@ -309,9 +328,10 @@ def run_one(a) -> dict:
     for i in range(a.warmup + a.steps):
         input_ids = torch.randint(0, a.vocab - 1, (a.mbs, a.seq), device=device)
         sample_index = torch.arange(i * a.mbs, (i + 1) * a.mbs, device=device)
+        position_ids = packed_positions(a, i, device) if a.packed_docs else None
         sync()
         t0 = time.perf_counter()
-        loss = step_loss(input_ids, sample_index)
+        loss = step_loss(input_ids, sample_index, position_ids)
         loss.backward()
         optimizer_step()
         sync()
@@ -327,12 +347,31 @@ def run_one(a) -> dict:
                   first_step_s=times[0], setup_s=time.perf_counter() - t_build - sum(times), loss=losses[-1],
                   loss_finite=all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
                   bidirectional=bidirectional, graph_breaks=sum(counters["graph_break"].values()))
+    if a.packed_docs:
+        result["documents_per_row"] = a.seq / a.packed_docs
     if a.profile and device == "cuda":
         try:
             result.update(profile_step(step_loss, optimizer_step, a, device))
         except Exception as error:  # the timing above stands even if the profiler fails
             result["profile_error"] = repr(error)[:300]
     return result
+
+
+def packed_positions(a, step: int, device):
+    """(mbs, seq) position ids of documents packed back to back, lengths uniform in [mean/6, 11 mean/6]."""
+    import torch
+
+    g = torch.Generator().manual_seed(step)
+    low, high = max(1, a.packed_docs // 6), a.packed_docs * 11 // 6
+    rows = []
+    for _ in range(a.mbs):
+        parts, filled = [], 0
+        while filled < a.seq:
+            n = min(int(torch.randint(low, high + 1, (1,), generator=g)), a.seq - filled)
+            parts.append(torch.arange(n))
+            filled += n
+        rows.append(torch.cat(parts))
+    return torch.stack(rows).to(device)
 
 
 # kernel-name fragments -> category, first match wins (cuBLAS / CUTLASS GEMMs are "nvjet", "xmma", "gemm")

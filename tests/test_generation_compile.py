@@ -21,13 +21,14 @@ def confident_model(mode="bidirectional", alignment="same", **overrides):
     return model
 
 
-@pytest.mark.parametrize("cache,threshold,alignment,cfg_scale", [
-    ("none", None, "same", 0.0), ("none", 0.5, "shift", 0.0), ("dual", 0.5, "same", 0.0),
-    ("dual", 0.5, "shift", 0.0), ("prefix", 0.5, "same", 0.0), ("dual", None, "same", 1.5),
+@pytest.mark.parametrize("cache,threshold,alignment,cfg_scale,lengths", [
+    ("none", None, "same", 0.0, [5, 9, 3]), ("none", 0.5, "shift", 0.0, [5, 9, 3]), ("dual", 0.5, "same", 0.0, [5, 9, 3]),
+    ("dual", 0.5, "shift", 0.0, [5, 9, 3]), ("prefix", 0.5, "same", 0.0, [5, 9, 3]), ("dual", None, "same", 1.5, [5, 9, 3]),
+    ("dual", 0.5, "same", 0.0, [7, 7, 7]),  # no padding
 ])
-def test_traced_static_sampler_equals_eager_on_a_mixed_length_batch(cache, threshold, alignment, cfg_scale):
+def test_traced_static_sampler_equals_eager_on_a_mixed_length_batch(cache, threshold, alignment, cfg_scale, lengths):
     model = confident_model(alignment=alignment, eos_token_id=3)
-    _, input_ids, attention_mask = left_padded([5, 9, 3])
+    _, input_ids, attention_mask = left_padded(lengths)
     options = dict(GEN, cache=cache, threshold=threshold, cfg_scale=cfg_scale, return_dict_in_generate=True)
     eager = model.generate(input_ids, attention_mask=attention_mask, **options)
     traced = model.generate(input_ids, attention_mask=attention_mask, compile="eager", **options)

@@ -145,3 +145,32 @@ def test_a_cached_window_on_an_unchanged_canvas_reproduces_the_full_forward(quer
     rows = torch.tensor([2, 0])  # a subset of rows (finished rows left the batch) reads its own cache rows
     window = model(input_ids=canvas[rows, query[0] : query[1]], kv_cache=cache.window(query[0], rows=rows)).logits
     torch.testing.assert_close(window, full[rows, query[0] : query[1]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache,padded,cfg_scale,alignment", [
+    ("dual", False, 0.0, "same"), ("dual", True, 0.0, "shift"), ("prefix", False, 0.0, "same"), ("dual", False, 1.5, "same"),
+])
+def test_static_window_steps_equal_the_kv_cache_forward(monkeypatch, cache, padded, cfg_scale, alignment):
+    """Approximate caches with every row in the forward run their window steps through `static_forward`
+    (what CUDA replays as a graph); the tokens equal the per-layer `DLMKVCache` forward's, and the window
+    path really ran."""
+    from hf_dlm.modeling.generation_dlm import DiffusionSampler
+
+    model = model_for("bidirectional", alignment)
+    with torch.no_grad():  # sharpen the head: threshold decoding commits several tokens at some steps
+        model.lm_head.weight.mul_(40)
+    _, input_ids, attention_mask = left_padded([5, 9, 3] if padded else [6, 6, 6])
+    options = dict(GEN, cache=cache, threshold=None if cfg_scale else 0.5, cfg_scale=cfg_scale, steps=16)
+    calls = []
+    original = DiffusionSampler._window_step
+    monkeypatch.setattr(DiffusionSampler, "_window_step", lambda self, *a: calls.append(a) or original(self, *a))
+    out = model.generate(input_ids, attention_mask=attention_mask, **options)
+    assert calls, "no window step went through static_forward"
+    original_init = DiffusionSampler.__init__
+
+    def kv_cache_only(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.static_head = False
+
+    monkeypatch.setattr(DiffusionSampler, "__init__", kv_cache_only)
+    assert torch.equal(out, model.generate(input_ids, attention_mask=attention_mask, **options))

@@ -21,6 +21,9 @@ Caches (`cache`):
 
 `compile` (generation_compile.py) runs the forward through `torch.compile` with static shapes (whole
 batch, block-sized windows) so that CUDA graphs can capture it; the tokens equal the eager sampler's.
+Without it, an approximate cache's window step with every row in the forward goes through the same
+static `static_forward` and, on CUDA, replays a CUDA graph captured the second time its shape is seen
+(`CapturedStep`, no compilation): at 8B and batch 1 the eager window step is otherwise launch-bound.
 Host syncs: one per step (whether any row still has work: which rows go into the forward, or, compiled,
 whether the block is done), one per block (are all rows done; the exact cache adds its span), and the
 streamer one per step.
@@ -32,13 +35,14 @@ setting, and a row leaves the forward batch once it has nothing left to commit i
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from transformers.utils import ModelOutput
 
 from .generation_cache import DLMKVCache
-from .generation_compile import MAX_COMPILED_GRAPHS, compiled_forward, resolve_compile
+from .generation_compile import MAX_COMPILED_GRAPHS, CapturedStep, compiled_forward, resolve_compile, static_forward
 from .generation_config import DLMGenerationConfig
 from .generation_sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
                                   num_transfer_tokens, select_commits)
@@ -78,6 +82,9 @@ class DLMGenerationMixin:
 
 
 class DiffusionSampler:
+    # eager cached window steps replay a CUDA graph on CUDA (`CapturedStep`); False: plain eager steps
+    capture_steps: bool = True
+
     def __init__(self, model, config: DLMGenerationConfig, generator=None):
         self.model, self.config, self.generator = model, config, generator
         self.mask_id = config.mask_token_id if config.mask_token_id is not None else model.config.mask_token_id
@@ -91,6 +98,10 @@ class DiffusionSampler:
         self.cache_block = model.config.block_size if mode == "block" else 1
         self.forward_batch_sizes: list[int] = []
         self.compiled = None  # set by run() when config.compile asks for it
+        # cached window steps through `static_forward` need the backbone / LM-head split
+        self.static_head = isinstance(getattr(model, "model", None), torch.nn.Module) and isinstance(
+            getattr(model, "lm_head", None), torch.nn.Module)
+        self.step_graphs: dict = {}  # window shape -> CapturedStep (None: seen once)
 
     def _forward(self, tokens, attention_mask, cache, keep: tuple[int, int]) -> torch.Tensor:
         """Logits aligned to positions [keep[0], keep[1]) of `tokens` (shifted models: i - 1 predicts i,
@@ -155,13 +166,64 @@ class DiffusionSampler:
         else:
             query_start = min(query[0], window[0] - self.shift)
             all_rows = rows.numel() == self.cache.full_attention_mask.shape[0]
+            if all_rows and not store and not self.exact_cache and self.static_head:
+                logits = self._window_step(x, window, query_start, query[1])
+                return logits if not cfg.cfg_scale else self._guided(logits)
             self.cache.window(query_start, key_end, store, None if all_rows else rows)
             keep = (window[0] - query_start, window[1] - query_start)
             logits = self._forward(x[:, query_start : query[1]], None, self.cache, keep)
-        if not cfg.cfg_scale:
-            return logits
+        return logits if not cfg.cfg_scale else self._guided(logits)
+
+    def _guided(self, logits):
         cond, uncond = logits.chunk(2)
-        return uncond + (cfg.cfg_scale + 1) * (cond - uncond)
+        return uncond + (self.config.cfg_scale + 1) * (cond - uncond)
+
+    def _capture(self, past, tensors):
+        """A `CapturedStep`, or None (eager steps from now on, said once) if no SDPA kernel captures. cuDNN's
+        SDPA has failed under capture where flash did not: a failure is retried once without it (the
+        backends only matter while capturing: replays run the recorded kernels)."""
+        config = self.model.config
+        backends = list(getattr(config, "sdpa_backends", None) or [])
+        for attempt in ([backends, [b for b in backends if b != "cudnn"]] if "cudnn" in backends else [backends]):
+            try:
+                config.sdpa_backends = attempt
+                return CapturedStep(self.model, past, tensors)
+            except RuntimeError as error:
+                failure = error
+            finally:
+                config.sdpa_backends = backends
+        warnings.warn(f"generate: the cached step could not be captured as a CUDA graph ({failure}); running it "
+                      "eagerly", stacklevel=5)
+        self.capture_steps = False
+        return None
+
+    def _window_step(self, x, window, query_start, query_end):
+        """An approximate cache's window step with every row in the forward: `static_forward` against the
+        stored keys / values (the refresh at the block start wrote them), the same shapes at every step
+        of a block. On CUDA the second step of a shape captures it as a CUDA graph (`CapturedStep`) and
+        later steps replay it: one launch instead of ~45 per layer, no host work per kernel."""
+        device = x.device
+        positions = self.cache.full_position_ids
+        tensors = dict(
+            input_ids=x[:, query_start:query_end], position_ids=positions[:, query_start:query_end],
+            key_padding=self.cache_key_padding, key_position_ids=positions,
+            head_index=(torch.arange(window[0], window[1], device=device) - self.shift - query_start).clamp(min=0),
+            slots=torch.arange(query_start, query_end, device=device),
+        )
+        layers = self.cache.layers
+        past = ([layers[i][0] for i in range(len(layers))], [layers[i][1] for i in range(len(layers))])
+        self.forward_batch_sizes.append(x.shape[0])
+        shape = (x.shape[0], query_end - query_start, window[1] - window[0])
+        step = self.step_graphs.get(shape)
+        if step is None and x.is_cuda and self.capture_steps:
+            if shape in self.step_graphs:  # seen once: capture now (one-off shapes never pay for a capture)
+                step = self.step_graphs[shape] = self._capture(past, tensors)
+            else:
+                self.step_graphs[shape] = None
+        if step is not None:
+            return step(tensors)
+        return static_forward(self.model, tensors["input_ids"], tensors["position_ids"], tensors["key_padding"],
+                              positions, tensors["head_index"], past=past, slots=tensors["slots"])
 
     def run(self, input_ids, attention_mask, streamer, callback):
         cfg, mask_id = self.config, self.mask_id
@@ -206,6 +268,8 @@ class DiffusionSampler:
             positions = (self.full_mask.cumsum(-1) - 1).clamp(min=0)
             repeat = 2 if cfg.cfg_scale else 1
             self.cache = DLMKVCache(self.full_mask.repeat(repeat, 1), positions.repeat(repeat, 1))
+            # no padding anywhere: window steps pass no mask (SDPA's fast kernels, nothing to sync on)
+            self.cache_key_padding = None if bool(self.full_mask.all()) else self.cache.full_attention_mask
             pads = (prompt_len - self.full_mask[:, :prompt_len].sum(-1)).view(-1, 1)  # (B, 1) left pads per row
         eos_ids = torch.tensor(self.eos_ids, device=device)
         self.mask_index = torch.tensor([mask_id], device=device)

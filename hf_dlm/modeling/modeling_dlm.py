@@ -142,6 +142,8 @@ class DLMAttention(nn.Module):
             key, value = kv_cache.update(self.layer_idx, key, value)
 
         implementation = self.config._attn_implementation or "eager"
+        if type(attention_mask).__name__ == "BlockMask":  # structured mask on CUDA (masks.document_attention_implementation)
+            implementation = "flex_attention"
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         context = sdpa_backend_context(self.config.sdpa_backends, query.device) if implementation == "sdpa" else nullcontext()
         with context:
@@ -298,6 +300,7 @@ class DLMModel(DLMPreTrainedModel):
             position_ids=position_ids,
             packed=packed,
             two_stream=two_stream,
+            structured_kernel=True,
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, rope_positions)
@@ -348,7 +351,7 @@ class DLMModel(DLMPreTrainedModel):
     def forward_window(self, input_ids, inputs_embeds, position_ids, key_padding, key_position_ids, kv_cache,
                        **kwargs) -> torch.Tensor:
         """The samplers' forward: queries (b, Q) at `position_ids` against keys (b, K) described by
-        `key_padding` (1 = real) and `key_position_ids`, whose keys / values `kv_cache` supplies (its
+        `key_padding` (1 = real; None: no padding) and `key_position_ids`, whose keys / values `kv_cache` supplies (its
         `update(layer_idx, key, value)` returns all keys). Queries sit at the end of the keys, or, for
         bidirectional dual caching, anywhere: only the padded-query self-clause reads the offset.
         -> final-normed hidden states (b, Q, H)."""
@@ -357,7 +360,7 @@ class DLMModel(DLMPreTrainedModel):
         batch_size, query_len = inputs_embeds.shape[:2]
         mask = build_attention_mask(
             self.config._attn_implementation or "eager", self.config.attention_mode, self.config.block_size,
-            batch_size, query_len, key_padding.shape[1], inputs_embeds.device, inputs_embeds.dtype,
+            batch_size, query_len, key_position_ids.shape[1], inputs_embeds.device, inputs_embeds.dtype,
             attention_mask=key_padding, position_ids=key_position_ids,
         )
         hidden_states = inputs_embeds

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from .engine import ContinuousBatchingEngine, EngineStoppedError, GenerationRequest, QueueFullError
+from .engine import ContinuousBatchingEngine, EngineStoppedError, GenerationRequest, QueueFullError, decode_answer
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 # request fields named in 400 answers when the sampler's message mentions them
@@ -61,18 +61,8 @@ class _Choice:
 
     def text(self) -> tuple[str, str | None]:
         """(text so far, finish reason if already decided by EOS / stop sequence / max_tokens)."""
-        tokens = self.request.generated[: self.max_tokens]
-        eos = [i for i, t in enumerate(tokens) if t in self.server.engine.eos_ids]
-        reason = None
-        if eos:
-            tokens, reason = tokens[: eos[0]], "stop"
-        text = self.server.tokenizer.decode(tokens, skip_special_tokens=True)
-        hits = [text.find(s) for s in self.stops if s in text]
-        if hits:
-            text, reason = text[: min(hits)], "stop"
-        if reason is None and len(self.request.generated) >= self.max_tokens:
-            reason = "length"
-        return text, reason
+        return decode_answer(self.server.tokenizer, self.request.generated, self.server.engine.eos_ids, self.stops,
+                             self.max_tokens)
 
     def _stopped(self, generated) -> bool:  # engine thread, at a block boundary
         return self.text()[1] is not None

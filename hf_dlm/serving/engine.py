@@ -102,9 +102,26 @@ class GenerationRequest:
     request_id: int = field(default_factory=itertools.count().__next__)
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: Exception | None = None
     cancelled: bool = False  # set by the caller (client gone): the row leaves at the next step
     submitted_at: float = field(default_factory=time.monotonic)
     first_block_at: float | None = None
+
+
+def decode_answer(tokenizer, generated: list[int], eos_ids, stops: list[str], max_tokens: int):
+    """(text, finish reason or None) of a row's tokens so far: cut at max_tokens, at the first EOS
+    ("stop") and before the first stop sequence ("stop"); "length" once max_tokens are decoded."""
+    tokens, reason = generated[:max_tokens], None
+    eos = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
+    if eos is not None:
+        tokens, reason = tokens[:eos], "stop"
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    hits = [text.find(s) for s in stops if s in text]
+    if hits:
+        text, reason = text[: min(hits)], "stop"
+    if reason is None and len(generated) >= max_tokens:
+        reason = "length"
+    return text, reason
 
 
 class _Row:
@@ -298,7 +315,7 @@ class ContinuousBatchingEngine:
     def _finish(self, row: _Row, reason: str, error: Exception | None = None):
         if row in self.running:
             self.running.remove(row)
-        row.request.finish_reason = reason
+        row.request.finish_reason, row.request.error = reason, error
         self.stats["requests_failed" if error is not None else "requests_finished"] += 1
         if row.request.on_done is not None:
             row.request.on_done(row.request, reason, error)

@@ -1,6 +1,7 @@
 """The lm-eval model `hf-dlm`: the ELBO log-likelihood against hand-computed values, scores independent of
 the batch size, and lm-eval's `simple_evaluate` on tiny local tasks end to end on CPU."""
 
+import copy
 import json
 import math
 
@@ -158,3 +159,26 @@ def test_simple_evaluate_runs_local_tasks_end_to_end_and_batch_size_does_not_mat
         assert outputs[8]["results"][task][metric] == results[task][metric]
     assert outputs[8]["results"]["tiny_ppl"]["word_perplexity,none"] == pytest.approx(
         results["tiny_ppl"]["word_perplexity,none"], rel=1e-5)
+
+
+def test_lora_adapter_loads_through_model_args(setup, tmp_path):
+    peft = pytest.importorskip("peft")
+    from lm_eval.api.registry import get_model
+
+    from hf_dlm.evaluation.lm_eval_model import DLMEvalHarness
+
+    root, model, tokenizer = setup
+    torch.manual_seed(1)
+    lora = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                      init_lora_weights=False))  # random B: a real change
+    lora.save_pretrained(tmp_path / "adapter")
+    merged = lora.merge_and_unload().eval()  # the same weights, merged by hand
+    requests = [_Request(d["question"], d["choices"][0]) for d in DOCS[:3]]
+    adapted = get_model("hf-dlm").create_from_arg_string(
+        f"pretrained={root / 'model'},peft={tmp_path / 'adapter'},mc_num=2,device=cpu,dtype=float32")
+    got = adapted.loglikelihood(requests, disable_tqdm=True)
+    want = DLMEvalHarness(model=merged, tokenizer=tokenizer, mc_num=2).loglikelihood(requests, disable_tqdm=True)
+    base = make_lm(setup, mc_num=2).loglikelihood(requests, disable_tqdm=True)
+    for (a, _), (b, _), (c, _) in zip(got, want, base):
+        assert a == pytest.approx(b, abs=1e-5) and abs(a - c) > 1e-4
+

@@ -39,7 +39,9 @@ def test_engine_rows_decode_as_generate_alone_while_sharing_forwards():
     # (prompt length, max_new_tokens, block_length, steps, temperature, threshold, top_p, remasking)
     cases = [(3, 8, 4, 8, 0.0, None, None, "low_confidence"), (7, 8, 4, 4, 1.0, None, 0.9, "low_confidence"),
              (5, 12, 4, 6, 0.0, 0.5, None, "low_confidence"), (2, 4, 4, 4, 0.5, None, None, "random"),
-             (9, 8, 8, 8, 0.0, None, None, "margin"), (4, 8, 2, 8, 0.0, None, None, "low_confidence")]
+             (9, 8, 8, 8, 0.0, None, None, "margin"), (4, 8, 2, 8, 0.0, None, None, "low_confidence"),
+             # uneven LLaDA budgets ([2, 2, 1, 1, 1, 1]) and steps with nothing to commit ([1, 1, 1, 1, 0, ...])
+             (6, 8, 8, 6, 1.0, None, None, "low_confidence"), (3, 8, 4, 16, 0.7, None, None, "low_confidence")]
     rows = []
     for seed, (length, new, block, steps, temperature, threshold, top_p, remasking) in enumerate(cases):
         ids = torch.randint(0, 90, (length,), generator=generator).tolist()
@@ -48,7 +50,7 @@ def test_engine_rows_decode_as_generate_alone_while_sharing_forwards():
         request = GenerationRequest(ids, engine.sampling_params(seed=seed, **options))
         rows.append((ids, seed, options, request))
     engine.submit([r[-1] for r in rows[:4]])
-    engine.step()  # the first four run one step, then two more join the running batch
+    engine.step()  # the first four run one step, then the others join the running batch
     engine.submit([r[-1] for r in rows[4:]])
     engine.run_until_idle()
     for ids, seed, options, request in rows:
@@ -58,7 +60,7 @@ def test_engine_rows_decode_as_generate_alone_while_sharing_forwards():
         # an EOS-finished row stops early (the rest would be EOS), otherwise it decodes the whole canvas
         assert request.finish_reason == ("stop" if eos_at < len(expected) else "length")
         assert request.generated[: eos_at] == expected[: eos_at]
-    assert engine.stats["max_forward_rows"] == 6 and engine.stats["forward_rows"] > engine.stats["forward_passes"]
+    assert engine.stats["max_forward_rows"] == 8 and engine.stats["forward_rows"] > engine.stats["forward_passes"]
     with pytest.raises(ValueError, match="multiple of the number of blocks"):
         engine.sampling_params(max_new_tokens=8, block_length=4, steps=3)
     with pytest.raises(ValueError, match="cache='dual'"):

@@ -182,3 +182,18 @@ def test_lora_adapter_loads_through_model_args(setup, tmp_path):
     for (a, _), (b, _), (c, _) in zip(got, want, base):
         assert a == pytest.approx(b, abs=1e-5) and abs(a - c) > 1e-4
 
+
+
+def test_eval_command_writes_results_and_names_unknown_tasks(setup, tmp_path, capsys):
+    from hf_dlm.cli import main
+
+    root, _, _ = setup
+    common = ["eval", "--model", str(root / "model"), "--include-path", str(root / "tasks"), "--device", "cpu",
+              "--mc-num", "2", "--batch-size", "4"]
+    assert main([*common, "--tasks", "tiny_nope"]) == 2
+    assert "unknown task(s) ['tiny_nope']" in capsys.readouterr().err
+    output = tmp_path / "results.json"
+    assert main([*common, "--tasks", "tiny_choice", "--limit", "4", "--output", str(output)]) == 0
+    assert "tiny_choice" in capsys.readouterr().out
+    results = json.loads(output.read_text())["results"]["tiny_choice"]
+    assert 0.0 <= results["acc,none"] <= 1.0

@@ -63,8 +63,37 @@ def test_engine_rows_decode_as_generate_alone_while_sharing_forwards():
     assert engine.stats["max_forward_rows"] == 8 and engine.stats["forward_rows"] > engine.stats["forward_passes"]
     with pytest.raises(ValueError, match="multiple of the number of blocks"):
         engine.sampling_params(max_new_tokens=8, block_length=4, steps=3)
-    with pytest.raises(ValueError, match="cache='dual'"):
+    engine.model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="cache='dual' in the serving engine needs"):
         engine.sampling_params(max_new_tokens=8, cache="dual")
+
+
+@pytest.mark.parametrize("attn, alignment", [("sdpa", "same"), ("eager", "shift")])
+def test_engine_prefix_and_dual_caches_decode_as_generate_with_that_cache(attn, alignment):
+    model = tiny_model(attn_implementation=attn, eos_token_id=5, label_alignment=alignment)
+    engine = ContinuousBatchingEngine(model, max_batch_size=8)
+    generator = torch.Generator().manual_seed(0)
+    cases = [(3, 8, 4, 8, 0.0, None, "dual"), (7, 12, 4, 6, 1.0, None, "prefix"), (5, 12, 4, 6, 0.0, 0.3, "dual"),
+             (2, 8, 4, 8, 0.5, None, "none"), (9, 8, 8, 8, 0.0, None, "prefix"), (4, 16, 4, 16, 0.0, None, "dual"),
+             (6, 16, 4, 16, 0.0, None, "prefix"), (3, 16, 2, 16, 0.9, None, "prefix")]
+    rows = []
+    for seed, (length, new, block, steps, temperature, threshold, cache) in enumerate(cases):
+        ids = torch.randint(0, 90, (length,), generator=generator).tolist()
+        options = dict(max_new_tokens=new, block_length=block, steps=steps, temperature=temperature,
+                       threshold=threshold, cache=cache, stop_on_eos=False)
+        rows.append((ids, seed, options, GenerationRequest(ids, engine.sampling_params(seed=seed, **options))))
+    engine.submit([r[-1] for r in rows[:2]])
+    engine.step()  # cached rows mid-block when the others join
+    engine.submit([r[-1] for r in rows[2:]])
+    engine.run_until_idle()
+    for ids, seed, options, request in rows:
+        assert request.generated == reference(model, ids, seed, **options), options
+    uncached = ContinuousBatchingEngine(model, max_batch_size=8)
+    uncached.submit([GenerationRequest(ids, uncached.sampling_params(seed=seed, **{**options, "cache": "none"}))
+                     for ids, seed, options, _ in rows])
+    uncached.run_until_idle()
+    # the caches really ran: cached steps send only their windows through the model
+    assert engine.stats["forward_tokens"] < 0.7 * uncached.stats["forward_tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +176,7 @@ def test_errors_name_the_field_and_limits_apply(server):
              ({"prompt": "x", "max_tokens": 64}, 400, "max_tokens"),
              ({"prompt": "word " * 60}, 400, "prompt"),
              ({"prompt": "x", "cache": "full"}, 422, "cache"),
-             ({"prompt": "x", "cache": "dual"}, 400, "cache"),
+             ({"prompt": "x", "max_tokens": 8, "block_length": 4, "cfg_scale": 1.0}, 422, "cfg_scale"),
              ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
              ({"prompt": ""}, 400, "prompt"),
              ({}, 422, "prompt")]

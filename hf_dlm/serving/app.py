@@ -229,6 +229,8 @@ class DLMServer:
 
         metric("hf_dlm_forward_passes_total", "counter", "batched forward passes", stats["forward_passes"])
         metric("hf_dlm_forward_rows_total", "counter", "rows summed over forward passes", stats["forward_rows"])
+        metric("hf_dlm_forward_tokens_total", "counter", "query positions through the model (padding included)",
+               stats["forward_tokens"])
         metric("hf_dlm_rows_per_forward", "gauge", "mean rows per forward pass", stats["forward_rows"] / passes)
         metric("hf_dlm_max_rows_per_forward", "gauge", "largest forward batch so far", stats["max_forward_rows"])
         metric("hf_dlm_queue_waiting", "gauge", "sequences waiting to join the batch", engine.num_waiting)

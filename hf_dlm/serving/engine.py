@@ -17,9 +17,9 @@ rows that arrive and leave at different times with different settings, which no 
 diffusion LMs. The per-row result equals `model.generate(prompt, generator=Generator().manual_seed(seed))`
 (cache='none'; tests/test_serving_engine.py checks it).
 
-The `cache` knob: for attention_mode 'block' / 'causal' models the exact cache gives the same tokens
-as no cache, so the engine accepts it and decodes uncached; Fast-dLLM's approximate caches of
-bidirectional models change the tokens and are not implemented here (rejected with a reason).
+The `cache` knob: Fast-dLLM's prefix / dual caches of bidirectional models run per row (row_cache.py),
+with `model.generate(cache=...)`'s semantics (approximate, as Fast-dLLM's); for attention_mode
+'block' / 'causal' models the exact cache gives the uncached tokens, so those rows decode uncached.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 from ..modeling.generation_config import DLMGenerationConfig
 from ..modeling.generation_sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
                                             num_transfer_tokens, select_commits)
+from .row_cache import cached_hidden_states
 
 
 class QueueFullError(RuntimeError):
@@ -60,9 +61,11 @@ class SamplingParams:
     remasking: str = "low_confidence"
     stop_on_eos: bool = True
     seed: int | None = None
+    cache: str = "none"  # "prefix" / "dual": Fast-dLLM's caches (bidirectional models)
 
     @classmethod
-    def from_generation_config(cls, generation_config, attention_mode: str = "bidirectional", **overrides):
+    def from_generation_config(cls, generation_config, attention_mode: str = "bidirectional",
+                               attention_implementation: str = "sdpa", **overrides):
         """Defaults from the model's generation config, `overrides` on top (None = default). Raises
         ValueError naming the field for values the sampler cannot run."""
         seed = overrides.pop("seed", None)
@@ -77,14 +80,17 @@ class SamplingParams:
         steps = config.steps or new_tokens
         if steps <= 0 or steps % num_blocks:
             raise ValueError(f"steps ({steps}) must be a positive multiple of the number of blocks ({num_blocks})")
-        if config.cache != "none" and attention_mode not in ("block", "causal"):
-            raise ValueError(f"cache={config.cache!r}: the serving engine decodes uncached; Fast-dLLM's approximate "
-                             "caches of bidirectional models are not supported there (use cache='none')")
+        # the exact cache of 'block' / 'causal' models gives the uncached tokens: those rows run uncached
+        cache = config.cache if attention_mode == "bidirectional" else "none"
+        if cache != "none" and attention_implementation not in ("eager", "sdpa"):
+            raise ValueError(f"cache={cache!r} in the serving engine needs attn_implementation 'sdpa' or 'eager', "
+                             f"not {attention_implementation!r}")
         if config.cfg_scale:
             raise ValueError("cfg_scale: classifier-free guidance is not supported by the serving engine")
         return cls(max_new_tokens=new_tokens, block_length=block_length, steps=steps,
                    temperature=config.sampling_temperature, top_p=config.top_p, top_k=config.top_k,
-                   threshold=config.threshold, remasking=config.remasking, stop_on_eos=config.stop_on_eos, seed=seed)
+                   threshold=config.threshold, remasking=config.remasking, stop_on_eos=config.stop_on_eos, seed=seed,
+                   cache=cache)
 
 
 @dataclass
@@ -139,6 +145,7 @@ class _Row:
         # at a block start every position of the block is masked: LLaDA's budget needs no device read
         self.budget = num_transfer_tokens(torch.tensor([params.block_length]), self.steps_per_block)[0].tolist()
         self.block_has_masks = True
+        self.kv: dict = {}  # cached rows: layer -> (keys, values) stored at the block start
 
     @property
     def window(self) -> tuple[int, int]:
@@ -200,13 +207,14 @@ class ContinuousBatchingEngine:
         self.stopping = False
         self.thread: threading.Thread | None = None
         # counters read by /metrics
-        self.stats = {"forward_passes": 0, "forward_rows": 0, "max_forward_rows": 0, "requests_admitted": 0,
+        self.stats = {"forward_passes": 0, "forward_rows": 0, "forward_tokens": 0, "max_forward_rows": 0, "requests_admitted": 0,
                       "requests_finished": 0, "requests_failed": 0, "generated_tokens": 0,
                       "first_block_seconds_sum": 0.0, "first_block_count": 0}
 
     def sampling_params(self, **overrides) -> SamplingParams:
+        implementation = getattr(self.model.config, "_attn_implementation", None) or "eager"
         return SamplingParams.from_generation_config(getattr(self.model, "generation_config", None),
-                                                     self.attention_mode, **overrides)
+                                                     self.attention_mode, implementation, **overrides)
 
     # ---- admission ----------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest]):
@@ -245,15 +253,21 @@ class ContinuousBatchingEngine:
         for row in [row for row in self.running if row.request.cancelled]:
             self._finish(row, "cancelled")
         work = [row for row in self.running if not row.block_done() and row.needs_forward()]
-        if work:
+        # uncached rows share one forward; cached rows refresh their keys at a block start (one forward)
+        # and recompute only their window (dual: the block; prefix: the block and the rest) later on
+        groups = [([r for r in work if r.params.cache == "none"], self._block_logits),
+                  ([r for r in work if r.params.cache != "none" and r.step == 0], self._refresh_logits),
+                  ([r for r in work if r.params.cache != "none" and r.step > 0], self._window_logits)]
+        for rows, forward in groups:
+            if not rows:
+                continue
             try:
-                logits = self._block_logits(work)
-                for row, row_logits in zip(work, logits):
+                logits = forward(rows)
+                for row, row_logits in zip(rows, logits):
                     row.commit(row_logits[: row.params.block_length], self.mask_id, self.mask_index)
             except Exception as error:  # noqa: BLE001 (a failed forward fails its rows, not the server)
-                for row in work:
+                for row in rows:
                     self._finish(row, "error", error)
-                return
         for row in list(self.running):
             while row in self.running and row.block_done():
                 self._end_block(row)
@@ -282,10 +296,36 @@ class ContinuousBatchingEngine:
         else:  # any module returning `.logits`
             all_logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
             logits = all_logits.gather(1, index.unsqueeze(-1).expand(-1, -1, all_logits.shape[-1]))
-        self.stats["forward_passes"] += 1
-        self.stats["forward_rows"] += len(rows)
-        self.stats["max_forward_rows"] = max(self.stats["max_forward_rows"], len(rows))
+        self._count_forward(len(rows), input_ids.numel())
         return logits
+
+    def _count_forward(self, rows: int, tokens: int):
+        self.stats["forward_passes"] += 1
+        self.stats["forward_tokens"] += tokens  # query positions through the model, padding included
+        self.stats["forward_rows"] += rows
+        self.stats["max_forward_rows"] = max(self.stats["max_forward_rows"], rows)
+
+    def _refresh_logits(self, rows: list[_Row]) -> torch.Tensor:
+        """Block start of cached rows: whole canvases, keys / values stored -> logits of the blocks."""
+        hidden_states = cached_hidden_states(self.model.model, rows, [(0, r.canvas.numel()) for r in rows], True,
+                                             self.mask_id)
+        starts = [r.window[0] - self.shift for r in rows]
+        return self._head(hidden_states, starts, rows)
+
+    def _window_logits(self, rows: list[_Row]) -> torch.Tensor:
+        """Later steps of cached rows: only the window goes through the model, against the stored keys."""
+        spans = [(r.window[0] - self.shift, r.window[1] if r.params.cache == "dual" else r.canvas.numel())
+                 for r in rows]
+        hidden_states = cached_hidden_states(self.model.model, rows, spans, False, self.mask_id)
+        return self._head(hidden_states, [0] * len(rows), rows)
+
+    def _head(self, hidden_states, starts, rows) -> torch.Tensor:
+        width = max(row.params.block_length for row in rows)
+        index = (torch.tensor(starts, device=self.device).unsqueeze(1) + torch.arange(width, device=self.device))
+        index = index.clamp(max=hidden_states.shape[1] - 1)
+        picked = hidden_states.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden_states.shape[-1]))
+        self._count_forward(len(rows), hidden_states.shape[0] * hidden_states.shape[1])
+        return self.model.lm_head(picked)
 
     def _end_block(self, row: _Row):
         request, params = row.request, row.params

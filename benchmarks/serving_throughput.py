@@ -188,7 +188,8 @@ def eval_benchmark(model, tokenizer, args, report):
         from lm_eval.api.instance import Instance
 
         print(f"simple_evaluate unavailable here ({type(error).__name__}: {error}); timing loglikelihood directly")
-        requests = [Instance("loglikelihood", d, (d["question"], c), i) for d in docs for i, c in enumerate(d["choices"])]
+        requests = [Instance("loglikelihood", d, (d["question"], c), i)
+                    for d in docs for i, c in enumerate(d["choices"])]
         start = time.monotonic()
         lm.loglikelihood(requests)
         row.update(path="DLMEvalHarness.loglikelihood", wall_s=round(time.monotonic() - start, 2))
@@ -220,7 +221,8 @@ def main():
     with torch.inference_mode():
         eval_benchmark(model, tokenizer, args, report)
     dump(report, args)
-    print("| clients | requests | requests/s | output tokens/s | first block mean / p50 / p90 (s) | latency (s) | rows/forward |")
+    print("| clients | requests | requests/s | output tokens/s | first block mean / p50 / p90 (s) | latency (s) "
+          "| rows/forward |")
     print("|---|---|---|---|---|---|---|")
     for r in report["serve"]:
         print(f"| {r['clients']} | {r['requests']} | {r['requests_per_s']} | {r['output_tokens_per_s']:,} | "

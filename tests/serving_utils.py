@@ -18,7 +18,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{%
 def save_tiny_checkpoint(path):
     tokenizer = train_bpe_tokenizer(TEXTS, vocab_size=300)
     tokenizer.chat_template = CHAT_TEMPLATE
-    model = tiny_model(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
+    model = tiny_model("sdpa", vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

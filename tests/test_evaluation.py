@@ -139,7 +139,7 @@ def test_simple_evaluate_runs_local_tasks_end_to_end_and_batch_size_does_not_mat
     from lm_eval.tasks import TaskManager
 
     root, model, tokenizer = setup
-    manager = TaskManager(include_path=str(root / "tasks"))
+    manager = TaskManager(include_path=str(root / "tasks"), include_defaults=False)
     outputs = {}
     for batch_size in (1, 8):
         lm = make_lm(setup, mc_num=4, batch_size=batch_size, max_gen_toks=8, block_length=4)
@@ -148,7 +148,8 @@ def test_simple_evaluate_runs_local_tasks_end_to_end_and_batch_size_does_not_mat
     results = outputs[1]["results"]
     assert 0.0 <= results["tiny_choice"]["acc,none"] <= 1.0
     assert "exact_match,none" in results["tiny_gen"]
-    assert math.isfinite(results["tiny_ppl"]["word_perplexity,none"]) and results["tiny_ppl"]["word_perplexity,none"] > 1
+    perplexity = results["tiny_ppl"]["word_perplexity,none"]
+    assert math.isfinite(perplexity) and perplexity > 1
     for task in TASKS:
         a, b = outputs[1]["samples"][task], outputs[8]["samples"][task]
         assert len(a) == len(DOCS)
@@ -188,8 +189,8 @@ def test_eval_command_writes_results_and_names_unknown_tasks(setup, tmp_path, ca
     from hf_dlm.cli import main
 
     root, _, _ = setup
-    common = ["eval", "--model", str(root / "model"), "--include-path", str(root / "tasks"), "--device", "cpu",
-              "--mc-num", "2", "--batch-size", "4"]
+    common = ["eval", "--model", str(root / "model"), "--include-path", str(root / "tasks"), "--only-include-path",
+              "--device", "cpu", "--mc-num", "2", "--batch-size", "4"]
     assert main([*common, "--tasks", "tiny_nope"]) == 2
     assert "unknown task(s) ['tiny_nope']" in capsys.readouterr().err
     output = tmp_path / "results.json"

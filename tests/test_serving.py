@@ -154,14 +154,13 @@ def test_openai_client_completes_chats_and_streams(server):
 
 def test_stop_sequences_cut_the_answer_and_end_the_row(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    full = client.completions.create(model="tiny", prompt="a diffusion", max_tokens=16, temperature=0, extra_body=DLM).choices[0]
-    text = full.text
+    ask = dict(model="tiny", prompt="a diffusion", max_tokens=16, temperature=0, extra_body=DLM)
+    text = client.completions.create(**ask).choices[0].text
     assert len(text) > 4
     stop = text[2:4]
-    cut = client.completions.create(model="tiny", prompt="a diffusion", max_tokens=16, temperature=0, stop=[stop], extra_body=DLM)
+    cut = client.completions.create(**ask, stop=[stop])
     assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model="tiny", prompt="a diffusion", max_tokens=16, temperature=0, stop=stop, stream=True,
-                                         extra_body=DLM)
+    streamed = client.completions.create(**ask, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
 
 

@@ -14,6 +14,8 @@ def add_arguments(parser):
     parser.add_argument("--model", required=True, help="checkpoint folder or Hub id (model and tokenizer)")
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names")
     parser.add_argument("--include-path", default=None, help="a folder of task YAMLs (local data files work)")
+    parser.add_argument("--only-include-path", action="store_true",
+                        help="index only --include-path's tasks, not lm-eval's built-in ones (faster start)")
     parser.add_argument("--peft", default=None, help="a LoRA adapter folder to load on the model")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
@@ -26,6 +28,8 @@ def add_arguments(parser):
     parser.add_argument("--block-length", type=int, default=32, help="sampler block length for generate_until")
     parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: one token per step)")
     parser.add_argument("--threshold", type=float, default=None, help="Fast-dLLM confidence threshold")
+    parser.add_argument("--cache", default=None, choices=("none", "prefix", "dual"),
+                        help="generate_until KV cache (Fast-dLLM's, approximate for bidirectional models)")
     parser.add_argument("--apply-chat-template", action="store_true", help="wrap prompts with the chat template")
     parser.add_argument("--output", default=None, help="write the results JSON here")
 
@@ -43,9 +47,9 @@ def run(args) -> int:
     model = DLMEvalHarness(pretrained=args.model, peft=args.peft, device=args.device, dtype=args.dtype,
                            batch_size=args.batch_size, mc_num=args.mc_num, seed=args.seed,
                            max_gen_toks=args.max_gen_toks, block_length=args.block_length, steps=args.steps,
-                           threshold=args.threshold)
+                           threshold=args.threshold, cache=args.cache)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    manager = TaskManager(include_path=args.include_path)
+    manager = TaskManager(include_path=args.include_path, include_defaults=not args.only_include_path)
     missing = [t for t in tasks if t not in manager.all_tasks]
     if missing:
         print(f"hf-dlm eval: unknown task(s) {missing} (add --include-path for local task YAMLs)", file=sys.stderr)

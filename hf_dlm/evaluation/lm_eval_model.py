@@ -37,7 +37,7 @@ class DLMEvalHarness(LM):
                  dtype: str = "auto", batch_size: int | str = 8, max_batch_size: int | None = None, mc_num: int = 128,
                  seed: int = 1234, max_length: int | None = None, max_gen_toks: int = 128, block_length: int = 32,
                  steps: int | None = None, threshold: float | None = None, temperature: float = 0.0,
-                 remasking: str | None = None, **unused):
+                 remasking: str | None = None, cache: str | None = None, **unused):
         """pretrained: checkpoint folder (or pass `model` and `tokenizer` objects); peft: a LoRA adapter folder;
         mc_num: ELBO draws per request (LLaDA uses 128); steps: sampler steps for generate_until (default:
         one token per step); remaining generation knobs as in `model.generate`."""
@@ -64,7 +64,7 @@ class DLMEvalHarness(LM):
         self.max_gen_toks, self.block_length = int(max_gen_toks), int(block_length)
         self.steps = None if steps is None else int(steps)
         self.threshold = None if threshold is None else float(threshold)
-        self.temperature, self.remasking = float(temperature), remasking
+        self.temperature, self.remasking, self.cache = float(temperature), remasking, cache
         self.max_batch_size = int(max_batch_size or self.batch_size)
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
         self.prefix_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
@@ -173,6 +173,7 @@ class DLMEvalHarness(LM):
                 max_new_tokens=canvas, block_length=block_length,
                 steps=self.steps or canvas, temperature=temperature, top_p=gen_kwargs.pop("top_p", None),
                 top_k=gen_kwargs.pop("top_k", None), threshold=self.threshold, remasking=self.remasking,
+                cache=self.cache,
                 seed=self._request_seed(ids, until))
             if gen_kwargs:
                 raise ValueError(f"hf-dlm generate_until: unsupported gen_kwargs {sorted(gen_kwargs)} "

@@ -4,9 +4,10 @@ Every request (row) carries its own canvas (prompt + masks), block schedule, sam
 random generator, exactly as `model.generate` would decode it alone. One `step()`:
 1. admits waiting rows into the running batch (up to `max_batch_size`); a row joins at its own block
    boundary (the start of its first block), the running rows are not disturbed;
-2. runs ONE forward over every row that has something to commit at this step, left-padded to the
-   longest canvas (the model derives positions from the attention mask, so padding shifts nothing),
-   and sends only each row's current block through the LM head;
+2. runs ONE forward over every uncached row that has something to commit at this step, left-padded to
+   the longest canvas (the model derives positions from the attention mask, so padding shifts nothing),
+   and sends only each row's current block through the LM head (cached rows: one forward for those at
+   a block start, one for the windows of the others);
 3. commits tokens per row with the sampler's own arithmetic (`generation_sampling`: LLaDA budgets,
    float64 Gumbel-max, confidence, Fast-dLLM threshold);
 4. at a row's block boundary: reports the committed block (streaming), applies `stop_on_eos` and the
@@ -69,7 +70,8 @@ class SamplingParams:
         """Defaults from the model's generation config, `overrides` on top (None = default). Raises
         ValueError naming the field for values the sampler cannot run."""
         seed = overrides.pop("seed", None)
-        config = DLMGenerationConfig.from_any(generation_config, **{k: v for k, v in overrides.items() if v is not None})
+        given = {k: v for k, v in overrides.items() if v is not None}
+        config = DLMGenerationConfig.from_any(generation_config, **given)
         new_tokens = config.max_new_tokens or 64
         block_length = config.block_length or new_tokens
         if block_length <= 0:
@@ -207,8 +209,8 @@ class ContinuousBatchingEngine:
         self.stopping = False
         self.thread: threading.Thread | None = None
         # counters read by /metrics
-        self.stats = {"forward_passes": 0, "forward_rows": 0, "forward_tokens": 0, "max_forward_rows": 0, "requests_admitted": 0,
-                      "requests_finished": 0, "requests_failed": 0, "generated_tokens": 0,
+        self.stats = {"forward_passes": 0, "forward_rows": 0, "forward_tokens": 0, "max_forward_rows": 0,
+                      "requests_admitted": 0, "requests_finished": 0, "requests_failed": 0, "generated_tokens": 0,
                       "first_block_seconds_sum": 0.0, "first_block_count": 0}
 
     def sampling_params(self, **overrides) -> SamplingParams:

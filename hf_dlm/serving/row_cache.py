@@ -47,7 +47,10 @@ def cached_hidden_states(backbone, rows: list, spans: list[tuple[int, int]], sto
     key_length = max(lengths) if store else max(lengths) + 1  # + the dummy slot of padding queries
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
     positions = torch.zeros_like(input_ids)
-    slots = torch.arange(width, device=device).repeat(len(rows), 1) if store else torch.full_like(input_ids, key_length - 1)
+    if store:
+        slots = torch.arange(width, device=device).repeat(len(rows), 1)
+    else:
+        slots = torch.full_like(input_ids, key_length - 1)
     valid = torch.zeros_like(input_ids, dtype=torch.bool)
     for r, (row, (s, e)) in enumerate(zip(rows, spans)):
         input_ids[r, : e - s] = row.canvas[s:e]

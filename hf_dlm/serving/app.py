@@ -29,11 +29,11 @@ _FIELDS = ("max_tokens", "block_length", "steps", "threshold", "cache", "remaski
 
 @dataclass
 class ServerSettings:
-    model_name: str = "hf-dlm"
-    max_prompt_tokens: int = 4096
-    max_output_tokens: int = 1024
-    default_max_tokens: int = 64
-    api_key: str | None = None
+    model_name: str = "hf-dlm"  # the id in /v1/models
+    max_prompt_tokens: int = 4096  # longer prompts: 400
+    max_output_tokens: int = 1024  # larger max_tokens: 400
+    default_max_tokens: int = 64  # max_tokens of a request without one
+    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>` (else 401)
 
 
 class APIError(Exception):

@@ -374,8 +374,12 @@ class ContinuousBatchingEngine:
                     self.lock.wait(timeout=0.5)
                 if self.stopping and not self.has_work():
                     return
-            with torch.inference_mode():
-                self.step()
+            try:
+                with torch.inference_mode():
+                    self.step()
+            except Exception as error:  # noqa: BLE001 (a bug in a callback must not hang every open request)
+                for row in list(self.running):
+                    self._finish(row, "error", error)
 
     def shutdown(self, timeout: float | None = None):
         """Take no new requests, finish every queued and running one, stop the loop."""

@@ -60,6 +60,10 @@ _LAZY = {
     "precompute_float8_scales": ".parallel.float8",
     "fp8_autocast": ".parallel.float8",
     "DelayedFloat8Linear": ".parallel.float8_delayed",
+    # serving and evaluation
+    "ContinuousBatchingEngine": ".serving.engine",
+    "create_app": ".serving.app",
+    "DLMEvalHarness": ".evaluation.lm_eval_model",
     # conversion
     "convert_checkpoint": ".conversion.convert",
     "verify_checkpoints": ".conversion.verify",

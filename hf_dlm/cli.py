@@ -16,6 +16,8 @@ COMMANDS = {
     "generate": "sample from a DLM with a diffusion sampler",
     "convert": "convert checkpoints between AR / LLaDA / Dream / Megatron layouts and hf-dlm",
     "verify": "compare two checkpoints' logits and fail beyond the tolerance",
+    "serve": "serve a DLM over an OpenAI-compatible HTTP API with continuous batching",
+    "eval": "evaluate a DLM with lm-evaluation-harness (loglikelihood by the Monte Carlo ELBO)",
 }
 
 

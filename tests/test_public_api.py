@@ -41,7 +41,7 @@ def test_every_public_name_resolves_lazily_and_is_listed():
     assert (DLMTrainer, DLMTrainingArguments, parallelize_dlm) == (trainer_class, args_class, defined)
     with pytest.raises(AttributeError, match="no attribute 'NotAName'"):
         hf_dlm.NotAName  # noqa: B018
-    for package in ("data", "training", "parallel", "conversion"):
+    for package in ("data", "training", "parallel", "conversion", "serving", "evaluation"):
         module = __import__(f"hf_dlm.{package}", fromlist=["_"])
         for name in module.__all__:
             assert getattr(module, name) is not None, f"hf_dlm.{package}.{name}"
@@ -52,7 +52,7 @@ def test_first_access_imports_only_its_module():
     assert "hf_dlm.training.elbo" in loaded and "hf_dlm.training.trainer" not in loaded
 
 
-@pytest.mark.parametrize("command", ["quickstart", "preprocess", "train", "generate", "convert", "verify"])
+@pytest.mark.parametrize("command", ["quickstart", "preprocess", "train", "generate", "convert", "verify", "serve", "eval"])
 def test_subcommand_help_imports_no_heavy_module(command):
     loaded = _modules_after(
         "from hf_dlm.cli import main\n"

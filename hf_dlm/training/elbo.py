@@ -24,12 +24,16 @@ def elbo_nll(
     seed: int = 0,
     batch_size: int = 32,
     position_ids: torch.Tensor | None = None,
+    row_seeds: list[int] | None = None,
 ) -> dict:
     """Bound on the NLL of the scored tokens (real, non-prompt tokens) of every row.
 
     input_ids (N, L); position_ids (N, L): packed rows (positions restart at 0 for each document), passed
     to the model so that attention stays inside each document, as in training; a packed row's bound is
     then one on the joint NLL of its documents (the masked count is drawn over the whole row).
+    row_seeds (N,): each row draws its masks from its own generator seeded so, over its scored tokens
+    only, so a row's bound does not depend on the batch it is in, its order or its padding (lm-eval
+    scores must not change with the batch size); without them one generator seeded by `seed` serves all.
     Returns {"nll_per_token": nats/token over all scored tokens, "perplexity_bound", "num_tokens",
     "per_sequence": (N,) bound in nats}.
     """
@@ -45,23 +49,21 @@ def elbo_nll(
             scored = scored.clone()
             scored[:, 0] = False  # nothing predicts the first token
         n_scored = scored.sum(1)  # (B,)
+        if row_seeds is not None:
+            row_masks = _row_seeded_masks(scored.cpu(), row_seeds[start : start + batch_size], mc_num).to(device)
         bound = torch.zeros(ids.shape[0], dtype=torch.float64, device=device)
         for k in range(mc_num):
-            # stratified l in {1..L_b}: the k-th of mc_num equal slices of [0, 1)
-            u = (k + torch.rand(ids.shape[0], generator=generator)) / mc_num
-            n_masked = (u.to(device) * n_scored).floor().long().clamp(min=0) + 1
-            n_masked = torch.minimum(n_masked, n_scored.clamp(min=1))
-            # random order of the scored positions; the first n_masked of them are masked
-            keys = torch.rand(ids.shape, generator=generator).to(device).masked_fill(~scored, 2.0)
-            rank = keys.argsort(1).argsort(1)
-            masked = scored & (rank < n_masked.unsqueeze(1))
+            if row_seeds is not None:
+                masked, n_masked = row_masks[k], row_masks[k].sum(1)
+            else:
+                masked, n_masked = _shared_draw(scored, n_scored, k, mc_num, generator)
             noisy = torch.where(masked, mask_id, ids)
             logits = model.denoising_logits(
                 noisy, attention_mask=None if attention_mask is None else valid.long(),
                 position_ids=None if position_ids is None else position_ids[start : start + batch_size].to(device),
             )
             ce = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")  # (B, L)
-            estimate = (ce * masked).sum(1).double() * n_scored.double() / n_masked.double()
+            estimate = (ce * masked).sum(1).double() * n_scored.double() / n_masked.clamp(min=1).double()
             bound += torch.where(n_scored > 0, estimate, 0.0) / mc_num
         totals.append(bound.cpu())
         counts.append(n_scored.cpu())
@@ -69,3 +71,34 @@ def elbo_nll(
     nll = float(per_sequence.sum() / num_tokens.sum().clamp(min=1))
     return {"nll_per_token": nll, "perplexity_bound": math.exp(nll), "num_tokens": int(num_tokens.sum()),
             "per_sequence": per_sequence}
+
+
+def _shared_draw(scored, n_scored, k, mc_num, generator):
+    """The k-th stratified draw of every row from one shared generator -> (masked (B, L), n_masked (B,))."""
+    device = scored.device
+    # stratified l in {1..L_b}: the k-th of mc_num equal slices of [0, 1)
+    u = (k + torch.rand(scored.shape[0], generator=generator)) / mc_num
+    n_masked = (u.to(device) * n_scored).floor().long().clamp(min=0) + 1
+    n_masked = torch.minimum(n_masked, n_scored.clamp(min=1))
+    # random order of the scored positions; the first n_masked of them are masked
+    keys = torch.rand(scored.shape, generator=generator).to(device).masked_fill(~scored, 2.0)
+    rank = keys.argsort(1).argsort(1)
+    return scored & (rank < n_masked.unsqueeze(1)), n_masked
+
+
+def _row_seeded_masks(scored: torch.Tensor, seeds: list[int], mc_num: int) -> torch.Tensor:
+    """(B, L) scored positions -> (mc_num, B, L) masks; row b's draws come from Generator(seeds[b]) over
+    its scored positions only (stratified l, then a uniformly random subset of size l)."""
+    masks = torch.zeros((mc_num, *scored.shape), dtype=torch.bool)
+    for b, seed in enumerate(seeds):
+        generator = torch.Generator().manual_seed(int(seed))
+        positions = scored[b].nonzero().squeeze(1)
+        n = positions.numel()
+        if n == 0:
+            continue
+        for k in range(mc_num):
+            u = (k + float(torch.rand(1, generator=generator))) / mc_num
+            n_masked = min(int(u * n) + 1, n)
+            order = torch.rand(n, generator=generator).argsort()
+            masks[k, b, positions[order[:n_masked]]] = True
+    return masks

@@ -1,0 +1,73 @@
+"""`hf-dlm serve`: an OpenAI-compatible HTTP server with continuous batching.
+
+    hf-dlm serve --model PATH --host 127.0.0.1 --port 8000 --max-batch-size 32
+
+Then any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="...")`, with the
+diffusion fields (steps, block_length, threshold, cache) in `extra_body`. SIGTERM / Ctrl-C drains:
+open requests finish, new connections are refused.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def add_arguments(parser):
+    parser.add_argument("--model", required=True, help="checkpoint folder or Hub id (model and tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="name in /v1/models (default: --model)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="weights' dtype (auto: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--peft", default=None, help="a LoRA adapter folder to load on the model (merged)")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="most sequences in one forward pass")
+    parser.add_argument("--max-queue", type=int, default=256, help="most waiting sequences; beyond: 429")
+    parser.add_argument("--max-prompt-tokens", type=int, default=4096, help="longer prompts get 400")
+    parser.add_argument("--max-output-tokens", type=int, default=1024, help="larger max_tokens gets 400")
+    parser.add_argument("--default-max-tokens", type=int, default=64, help="max_tokens when a request has none")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on /v1/* (default: $HF_DLM_API_KEY, else none)")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def load_model(path: str, device: str | None = None, dtype: str = "auto", peft: str | None = None):
+    """(model, tokenizer) in eval mode on `device`; a LoRA adapter is merged into the weights."""
+    import torch
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    import hf_dlm  # noqa: F401  (registers the DLM Auto classes)
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = AutoModelForMaskedLM.from_pretrained(path, dtype=torch_dtype)
+    if peft:
+        from ..utils.import_utils import require
+
+        require("peft", "loading a LoRA adapter")
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, peft).merge_and_unload()
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def run(args) -> int:
+    from ..utils.import_utils import require
+
+    require("fastapi", "hf-dlm serve")
+    require("uvicorn", "hf-dlm serve")
+    import uvicorn
+
+    from ..serving.app import ServerSettings, create_app
+    from ..serving.engine import ContinuousBatchingEngine
+
+    model, tokenizer = load_model(args.model, args.device, args.dtype, args.peft)
+    engine = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=args.max_queue,
+                                      eos_token_id=tokenizer.eos_token_id)
+    settings = ServerSettings(model_name=args.served_model_name or args.model, max_prompt_tokens=args.max_prompt_tokens,
+                              max_output_tokens=args.max_output_tokens, default_max_tokens=args.default_max_tokens,
+                              api_key=args.api_key or os.environ.get("HF_DLM_API_KEY") or None)
+    app = create_app(engine, tokenizer, settings, log=lambda line: print(line, flush=True))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

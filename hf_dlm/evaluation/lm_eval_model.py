@@ -1,0 +1,199 @@
+"""lm-evaluation-harness model `hf-dlm`: diffusion LMs scored the way LLaDA evaluates them.
+
+- `loglikelihood`: minus the Monte Carlo ELBO of the continuation given the context (`elbo_nll`,
+  `mc_num` stratified draws). Each request draws its masks from a generator seeded by a hash of
+  (seed, its tokens), so scores do not change with the batch size or the order of requests (lm-eval
+  forks that share one generator report scores that move with the batch size). `is_greedy`: every
+  continuation token is the argmax when the whole continuation is masked.
+- `loglikelihood_rolling`: lm-eval's disjoint rolling windows of `max_length`, each window's tokens
+  scored by the ELBO given the window's context.
+- `generate_until`: the continuous-batching engine (the sampler's semantics, per-request seeds), cut
+  at EOS and at the first stop sequence; a row stops decoding once a stop sequence appears.
+
+    lm_eval --model hf-dlm --model_args pretrained=PATH,mc_num=32,peft=ADAPTER --tasks ... --include_path DIR
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from ..serving.engine import ContinuousBatchingEngine, GenerationRequest, decode_answer
+from ..training.elbo import elbo_nll
+
+
+def _to_bool(value) -> bool:
+    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+
+
+@register_model("hf-dlm")
+class DLMEvalHarness(LM):
+    def __init__(self, pretrained=None, model=None, tokenizer=None, peft: str | None = None, device: str | None = None,
+                 dtype: str = "auto", batch_size: int | str = 8, max_batch_size: int | None = None, mc_num: int = 128,
+                 seed: int = 1234, max_length: int | None = None, max_gen_toks: int = 128, block_length: int = 32,
+                 steps: int | None = None, threshold: float | None = None, temperature: float = 0.0,
+                 remasking: str | None = None, cache: str | None = None, **unused):
+        """pretrained: checkpoint folder (or pass `model` and `tokenizer` objects); peft: a LoRA adapter folder;
+        mc_num: ELBO draws per request (LLaDA uses 128); steps: sampler steps for generate_until (default:
+        one token per step); remaining generation knobs as in `model.generate`."""
+        super().__init__()
+        if unused:
+            raise TypeError(f"hf-dlm lm-eval model: unknown model_args {sorted(unused)}")
+        if model is None:
+            if pretrained is None:
+                raise ValueError("hf-dlm lm-eval model: pass pretrained=PATH (or model= and tokenizer=)")
+            from ..commands.serve import load_model
+
+            model, tokenizer = load_model(pretrained, device, dtype, peft)
+        elif peft:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, peft).merge_and_unload().eval()
+        self.model, self.tokenizer = model, tokenizer
+        self._device = next(model.parameters()).device
+        if str(batch_size).startswith("auto"):
+            raise ValueError("hf-dlm lm-eval model: batch_size='auto' is not supported; pass a number")
+        self.batch_size = int(batch_size)
+        self.mc_num, self.seed = int(mc_num), int(seed)
+        self.max_length = int(max_length or getattr(model.config, "max_position_embeddings", 2048))
+        self.max_gen_toks, self.block_length = int(max_gen_toks), int(block_length)
+        self.steps = None if steps is None else int(steps)
+        self.threshold = None if threshold is None else float(threshold)
+        self.temperature, self.remasking, self.cache = float(temperature), remasking, cache
+        self.max_batch_size = int(max_batch_size or self.batch_size)
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
+        self.prefix_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
+
+    # ---- lm-eval plumbing ------------------------------------------------------------------------
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def chat_template(self, chat_template=False):
+        return getattr(self.tokenizer, "chat_template", None) or ""
+
+    def apply_chat_template(self, chat_history, add_generation_prompt=True) -> str:
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _request_seed(self, *token_lists) -> int:
+        digest = hashlib.sha256(repr((self.seed, *token_lists)).encode()).digest()
+        return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+    # ---- scoring ---------------------------------------------------------------------------------
+    def _score(self, pairs: list[tuple[list[int], list[int]]], progress: str | None = None) -> list[tuple[float, bool]]:
+        """(context ids, continuation ids) -> (log-likelihood bound, is_greedy), in the input order."""
+        order = sorted(range(len(pairs)), key=lambda i: -sum(map(len, pairs[i])))  # similar lengths batch together
+        results: list = [None] * len(pairs)
+        mask_id, pad = self.model.config.mask_token_id, self.tokenizer.pad_token_id or 0
+        for start in tqdm(range(0, len(order), self.batch_size), desc=progress, disable=progress is None):
+            chunk = order[start : start + self.batch_size]
+            rows = []
+            for i in chunk:
+                context, continuation = pairs[i]
+                context = (context or [self.prefix_token_id])[-(self.max_length - len(continuation)) :]
+                rows.append((context, continuation[-self.max_length :]))
+            width = max(len(c) + len(x) for c, x in rows)
+            input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            attention_mask = torch.zeros_like(input_ids)
+            prompt_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+            for r, (context, continuation) in enumerate(rows):  # right padding
+                input_ids[r, : len(context) + len(continuation)] = torch.tensor(context + continuation)
+                attention_mask[r, : len(context) + len(continuation)] = 1
+                prompt_mask[r, : len(context)] = True
+            seeds = [self._request_seed(c, x) for c, x in rows]
+            bound = elbo_nll(self.model, input_ids, attention_mask, prompt_mask, mc_num=self.mc_num,
+                             batch_size=len(rows), row_seeds=seeds)["per_sequence"]
+            # greedy: the whole continuation masked, is every token the argmax?
+            answer = attention_mask.bool() & ~prompt_mask
+            with torch.no_grad():
+                logits = self.model.denoising_logits(input_ids.masked_fill(answer, mask_id).to(self._device),
+                                                     attention_mask=attention_mask.to(self._device))
+            greedy = (logits.argmax(-1).cpu().eq(input_ids) | ~answer).all(1)
+            for r, i in enumerate(chunk):
+                results[i] = (-float(bound[r]), bool(greedy[r]))
+        return results
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = []
+        for request in requests:
+            context, continuation = request.args
+            spaces = len(context) - len(context.rstrip())  # trailing spaces belong to the continuation
+            if spaces:
+                context, continuation = context[:-spaces], context[-spaces:] + continuation
+            whole, context_ids = self._encode(context + continuation), self._encode(context)
+            pairs.append((context_ids, whole[len(context_ids) :]))
+        results = self._score(pairs, None if disable_tqdm else "loglikelihood (ELBO)")
+        for request, result in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", request.args, result)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        pairs, owners = [], []
+        for n, request in enumerate(requests):
+            windows = get_rolling_token_windows(self._encode(request.args[0]), self.prefix_token_id,
+                                                self.max_length, context_len=1)
+            for window in map(make_disjoint_window, windows):
+                pairs.append(window)
+                owners.append(n)
+        scores = self._score(pairs, None if disable_tqdm else "loglikelihood_rolling (ELBO)")
+        totals = [0.0] * len(requests)
+        for owner, (value, _) in zip(owners, scores):
+            totals[owner] += value
+        for request, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        engine = ContinuousBatchingEngine(self.model, max_batch_size=self.max_batch_size, max_waiting=len(requests),
+                                          eos_token_id=self.tokenizer.eos_token_id)
+        jobs = []
+        for request in requests:
+            context, gen_kwargs = request.args
+            gen_kwargs = dict(gen_kwargs or {})
+            until = gen_kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_tokens = int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks))
+            temperature = float(gen_kwargs.pop("temperature", self.temperature))
+            if not _to_bool(gen_kwargs.pop("do_sample", temperature > 0)):
+                temperature = 0.0
+            block_length = min(self.block_length, max_tokens)
+            canvas = -(-max_tokens // block_length) * block_length
+            ids = self._encode(context)[-(self.max_length - canvas) :] or [self.prefix_token_id]
+            params = engine.sampling_params(
+                max_new_tokens=canvas, block_length=block_length,
+                steps=self.steps or canvas, temperature=temperature, top_p=gen_kwargs.pop("top_p", None),
+                top_k=gen_kwargs.pop("top_k", None), threshold=self.threshold, remasking=self.remasking,
+                cache=self.cache,
+                seed=self._request_seed(ids, until))
+            if gen_kwargs:
+                raise ValueError(f"hf-dlm generate_until: unsupported gen_kwargs {sorted(gen_kwargs)} "
+                                 "(supported: until, max_gen_toks, temperature, do_sample, top_p, top_k)")
+
+            def stop_check(generated, until=until, max_tokens=max_tokens):
+                return decode_answer(self.tokenizer, generated, engine.eos_ids, until, max_tokens)[1] is not None
+
+            jobs.append((GenerationRequest(ids, params, stop_check=stop_check), until, max_tokens))
+        engine.submit([job[0] for job in jobs])
+        with tqdm(total=len(jobs), desc="generate_until", disable=disable_tqdm) as bar, torch.no_grad():
+            while engine.has_work():
+                engine.step()
+                bar.n = engine.stats["requests_finished"] + engine.stats["requests_failed"]
+                bar.refresh()
+        outputs = []
+        for request, (job, until, max_tokens) in zip(requests, jobs):
+            if job.finish_reason == "error":
+                raise RuntimeError(f"generate_until failed for {request.args[0][:80]!r}") from job.error
+            text = decode_answer(self.tokenizer, job.generated, engine.eos_ids, until, max_tokens)[0]
+            self.cache_hook.add_partial("generate_until", request.args, text)
+            outputs.append(text)
+        return outputs

@@ -1,0 +1,200 @@
+"""The lm-eval model `hf-dlm`: the ELBO log-likelihood against hand-computed values, scores independent of
+the batch size, and lm-eval's `simple_evaluate` on tiny local tasks end to end on CPU."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from .serving_utils import save_tiny_checkpoint
+
+pytest.importorskip("lm_eval")
+
+TASKS = {
+    "tiny_choice": """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+""",
+    "tiny_gen": """task: tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{choices[answer]}}}}"
+generation_kwargs:
+  until: ["dog"]
+  max_gen_toks: 8
+metric_list:
+  - metric: exact_match
+""",
+    "tiny_ppl": """task: tiny_ppl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{question}}}}"
+metric_list:
+  - metric: word_perplexity
+""",
+}
+DOCS = [{"question": q, "choices": [" fox", " dog", " model"], "answer": a}
+        for q, a in [("the quick brown", 0), ("over the lazy", 1), ("a diffusion", 2), ("fills in masked", 2),
+                     ("the lazy", 1), ("jumps over the", 1), ("quick", 0), ("masked tokens", 2)]]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    model, tokenizer = save_tiny_checkpoint(root / "model")
+    data = root / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (root / "tasks").mkdir()
+    for name, text in TASKS.items():
+        (root / "tasks" / f"{name}.yaml").write_text(text.format(data=data))
+    return root, model, tokenizer
+
+
+def make_lm(setup, **kwargs):
+    from hf_dlm.evaluation.lm_eval_model import DLMEvalHarness
+
+    _, model, tokenizer = setup
+    return DLMEvalHarness(model=model, tokenizer=tokenizer, **kwargs)
+
+
+def flat(value):
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from flat(item)
+    else:
+        yield value
+
+
+class _Request:
+    def __init__(self, *args):
+        self.args = args
+
+
+def test_elbo_loglikelihood_matches_hand_computed_values(setup):
+    _, model, tokenizer = setup
+    lm = make_lm(setup, mc_num=2, batch_size=4)
+    mask = model.config.mask_token_id
+    context = tokenizer("the quick brown", add_special_tokens=False)["input_ids"]
+
+    def masked_log_probs(ids, positions):
+        noisy = torch.tensor([ids])
+        noisy[0, positions] = mask
+        with torch.no_grad():
+            log_probs = F.log_softmax(model(input_ids=noisy).logits[0].double(), -1)
+        return [float(log_probs[p, ids[p]]) for p in positions]
+
+    # one continuation token: l = 1 always, the bound is exactly log p(token | context, token masked)
+    one = [tokenizer.convert_tokens_to_ids("Ġthe")]
+    (value, greedy), = lm._score([(context, one)])
+    ids = context + one
+    assert value == pytest.approx(masked_log_probs(ids, [len(context)])[0], abs=1e-6)
+    with torch.no_grad():
+        noisy = torch.tensor([context + [mask]])
+        argmax = int(model(input_ids=noisy).logits[0, -1].argmax())
+    assert greedy == (argmax == one[0])
+
+    # two tokens, mc_num = 2: stratified l = 1 then l = 2, so the estimate is
+    # ((2/1) * -log p(masked one | ...) + (2/2) * (sum over both masked)) / 2, for the one token drawn
+    two = tokenizer.convert_tokens_to_ids(["Ġlaz", "y"])
+    (value, _), = lm._score([(context, two)])
+    ids, a, b = context + two, len(context), len(context) + 1
+    both = sum(masked_log_probs(ids, [a, b]))
+    candidates = [(2 * masked_log_probs(ids, [p])[0] + both) / 2 for p in (a, b)]
+    assert min(abs(value - c) for c in candidates) < 1e-6, (value, candidates)
+
+
+def test_scores_do_not_depend_on_batch_size_or_order(setup):
+    requests = [_Request(d["question"], choice) for d in DOCS for choice in d["choices"]]
+    one = make_lm(setup, mc_num=4, batch_size=1).loglikelihood(requests, disable_tqdm=True)
+    eight = make_lm(setup, mc_num=4, batch_size=8).loglikelihood(requests[::-1], disable_tqdm=True)[::-1]
+    for (a, greedy_a), (b, greedy_b) in zip(one, eight):
+        assert a == pytest.approx(b, abs=1e-5) and greedy_a == greedy_b
+    assert len({round(a, 3) for a, _ in one}) > 5  # real, distinct scores
+
+
+def test_simple_evaluate_runs_local_tasks_end_to_end_and_batch_size_does_not_matter(setup):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    root, model, tokenizer = setup
+    manager = TaskManager(include_path=str(root / "tasks"), include_defaults=False)
+    outputs = {}
+    for batch_size in (1, 8):
+        lm = make_lm(setup, mc_num=4, batch_size=batch_size, max_gen_toks=8, block_length=4)
+        outputs[batch_size] = simple_evaluate(model=lm, tasks=list(TASKS), task_manager=manager, log_samples=True,
+                                              random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+    results = outputs[1]["results"]
+    assert 0.0 <= results["tiny_choice"]["acc,none"] <= 1.0
+    assert "exact_match,none" in results["tiny_gen"]
+    perplexity = results["tiny_ppl"]["word_perplexity,none"]
+    assert math.isfinite(perplexity) and perplexity > 1
+    for task in TASKS:
+        a, b = outputs[1]["samples"][task], outputs[8]["samples"][task]
+        assert len(a) == len(DOCS)
+        for x, y in zip(a, b):  # the same answers and scores, sample by sample
+            for p, q in zip(flat(x["filtered_resps"]), flat(y["filtered_resps"])):
+                assert p == q if isinstance(p, (str, bool)) else abs(p - q) < 1e-5, (task, x, y)
+    for task, metric in (("tiny_choice", "acc,none"), ("tiny_gen", "exact_match,none")):
+        assert outputs[8]["results"][task][metric] == results[task][metric]
+    assert outputs[8]["results"]["tiny_ppl"]["word_perplexity,none"] == pytest.approx(
+        results["tiny_ppl"]["word_perplexity,none"], rel=1e-5)
+
+
+def test_lora_adapter_loads_through_model_args(setup, tmp_path):
+    peft = pytest.importorskip("peft")
+    from lm_eval.api.registry import get_model
+
+    from hf_dlm.evaluation.lm_eval_model import DLMEvalHarness
+
+    root, model, tokenizer = setup
+    torch.manual_seed(1)
+    lora = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                      init_lora_weights=False))  # random B: a real change
+    lora.save_pretrained(tmp_path / "adapter")
+    merged = lora.merge_and_unload().eval()  # the same weights, merged by hand
+    requests = [_Request(d["question"], d["choices"][0]) for d in DOCS[:3]]
+    adapted = get_model("hf-dlm").create_from_arg_string(
+        f"pretrained={root / 'model'},peft={tmp_path / 'adapter'},mc_num=2,device=cpu,dtype=float32")
+    got = adapted.loglikelihood(requests, disable_tqdm=True)
+    want = DLMEvalHarness(model=merged, tokenizer=tokenizer, mc_num=2).loglikelihood(requests, disable_tqdm=True)
+    base = make_lm(setup, mc_num=2).loglikelihood(requests, disable_tqdm=True)
+    for (a, _), (b, _), (c, _) in zip(got, want, base):
+        assert a == pytest.approx(b, abs=1e-5) and abs(a - c) > 1e-4
+
+
+
+def test_eval_command_writes_results_and_names_unknown_tasks(setup, tmp_path, capsys):
+    from hf_dlm.cli import main
+
+    root, _, _ = setup
+    common = ["eval", "--model", str(root / "model"), "--include-path", str(root / "tasks"), "--only-include-path",
+              "--device", "cpu", "--mc-num", "2", "--batch-size", "4"]
+    assert main([*common, "--tasks", "tiny_nope"]) == 2
+    assert "unknown task(s) ['tiny_nope']" in capsys.readouterr().err
+    output = tmp_path / "results.json"
+    assert main([*common, "--tasks", "tiny_choice", "--limit", "4", "--output", str(output)]) == 0
+    assert "tiny_choice" in capsys.readouterr().out
+    results = json.loads(output.read_text())["results"]["tiny_choice"]
+    assert 0.0 <= results["acc,none"] <= 1.0

@@ -27,7 +27,7 @@ def digit_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def reverse_rows(n: int, seed: int, min_digits: int = 2, max_digits: int = 4) -> list[dict]:
+def reverse_rows(n: int, seed: int, min_digits: int = 2, max_digits: int = 3) -> list[dict]:
     """Conversational prompt-completion rows; prompts of mixed lengths."""
     rng = random.Random(seed)
     rows = []

@@ -11,16 +11,9 @@ from hf_dlm.training.logp_estimators import (CoupledEstimator, MonteCarloELBOEst
                                              build_estimator, row_keys)
 from hf_dlm.training.noise import hashed_uniform
 from tests.conftest import MASK_ID, VOCAB, tiny_model
+from tests.toy_tasks import one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is fastest, and the CI machine is shared
-    yield
-    torch.set_num_threads(threads)
 
 
 class CountingModel(nn.Module):

@@ -15,17 +15,9 @@ from hf_dlm.training.grpo_config import DiffuGRPOConfig  # noqa: E402
 from hf_dlm.training.grpo_trainer import DiffuGRPOTrainer  # noqa: E402
 from hf_dlm.training.sft_config import DLMSFTConfig  # noqa: E402
 from hf_dlm.training.sft_trainer import DLMSFTTrainer  # noqa: E402
-from tests.toy_tasks import digit_tokenizer, reversal_reward, reverse_rows  # noqa: E402
+from tests.toy_tasks import digit_tokenizer, one_thread, reversal_reward, reverse_rows  # noqa: E402,F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is fastest, and the CI machine is shared
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -48,3 +50,12 @@ def reversal_reward(completions, answer, **kwargs) -> list[float]:
         hits = sum(a == b for a, b in zip(digits, target))
         rewards.append((hits - 0.5 * max(len(digits) - len(target), 0)) / len(target))
     return rewards
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, and the CI machine is shared: run a test on one, then restore."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

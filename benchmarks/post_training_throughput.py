@@ -56,24 +56,6 @@ def shape(a) -> dict:
                 num_attention_heads=16, num_key_value_heads=8)
 
 
-def tokenizer_for(vocab_size: int):
-    """Word-level tokenizer of exactly `vocab_size` tokens: the toy task's specials and digits, then fillers, so
-    every id a random model samples decodes."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from tests.toy_tasks import CHAT_TEMPLATE, SPECIAL
-
-    words = SPECIAL + [str(d) for d in range(10)]
-    words += [f"w{i}" for i in range(vocab_size - len(words))]
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.Digits(individual_digits=True)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|endoftext|>",
-                                        mask_token="<|mask|>", additional_special_tokens=SPECIAL[3:])
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
 def build_model(a, tokenizer, device, dtype):
     import torch
 
@@ -235,7 +217,9 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     print(f"device {device}, torch {torch.__version__}", flush=True)
-    tokenizer = tokenizer_for(shape(a)["vocab_size"])
+    from hf_dlm.training.post_training import toy_tokenizer
+
+    tokenizer = toy_tokenizer(shape(a)["vocab_size"])  # every id a random model samples decodes
     runners = {"pretrain": run_pretrain, "sft": run_sft,
                "grpo-lora": lambda *x: run_grpo(*x, lora=True), "grpo-full": lambda *x: run_grpo(*x, lora=False)}
     rows, out = [], os.environ.get("OUT")

@@ -13,6 +13,8 @@ COMMANDS = {
     "quickstart": "train a tiny DLM on an embedded corpus on CPU, then sample from it",
     "preprocess": "tokenize JSONL / Parquet / HF datasets into Megatron indexed files",
     "train": "train a DLM from a YAML config (use `accelerate launch` for several processes)",
+    "sft": "supervised fine-tuning of a DLM on trl (DLMSFTTrainer; YAML via --config)",
+    "grpo": "RL of a DLM with diffu-GRPO on trl (DiffuGRPOTrainer; YAML via --config)",
     "generate": "sample from a DLM with a diffusion sampler",
     "convert": "convert checkpoints between AR / LLaDA / Dream / Megatron layouts and hf-dlm",
     "verify": "compare two checkpoints' logits and fail beyond the tolerance",

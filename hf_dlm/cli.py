@@ -39,7 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"hf_dlm.commands.{name}")
     command_parser = argparse.ArgumentParser(prog=f"hf-dlm {name}", description=COMMANDS[name])
     module.add_arguments(command_parser)
-    return int(module.run(command_parser.parse_args(argv[1:])) or 0)
+    if getattr(module, "PASS_THROUGH", False):  # the command parses its own flags (e.g. trl's TrlParser)
+        args, rest = command_parser.parse_known_args(argv[1:])
+        args.options = rest
+    else:
+        args = command_parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -4,17 +4,17 @@
 
 from __future__ import annotations
 
-import argparse
+# every flag goes to trl's TrlParser in `run` (hf_dlm/cli.py passes them through)
+PASS_THROUGH = True
 
 
 def add_arguments(parser):
-    parser.add_argument("options", nargs=argparse.REMAINDER,
-                        help="--config FILE.yaml and/or --field value pairs of PostTrainingArguments / DiffuGRPOConfig "
-                             "(see examples/configs/grpo_toy.yaml)")
+    parser.add_argument("--config", help="YAML file whose keys are fields of PostTrainingArguments / DiffuGRPOConfig "
+                                         "(see examples/configs/grpo_toy.yaml); any --field value pair overrides it")
 
 
 def run(args) -> int:
     from ..training.post_training import run_grpo
 
-    run_grpo(args.options)
+    run_grpo((["--config", args.config] if args.config else []) + args.options)
     return 0

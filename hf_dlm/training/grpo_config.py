@@ -63,10 +63,11 @@ class DiffuGRPOConfig(GRPOConfig):
     )
     generation_cache: str = field(
         default="none", metadata={"help": f"Sampler KV cache, one of {CACHE_MODES} (see DLMGenerationConfig.cache)."})
-    generation_compile: bool | str | None = field(
+    generation_compile: str | None = field(
         default=None,
-        metadata={"help": "Run the sampler's forward through torch.compile (DLMGenerationConfig.compile): pays off on "
-                          "GPU when every rollout batch has the same shape. None: eager."},
+        metadata={"help": "Run the sampler's forward through torch.compile (DLMGenerationConfig.compile): 'true' "
+                          "(reduce-overhead: CUDA graphs on GPU), a torch.compile mode or 'cudagraphs'; pays off on "
+                          "GPU when rollout batches keep one shape. None: eager."},
     )
     # -- parent defaults changed ------------------------------------------------------------------
     temperature: float = field(
@@ -106,10 +107,10 @@ class DiffuGRPOConfig(GRPOConfig):
 
     def generate_kwargs(self) -> dict:
         """Keyword arguments of `model.generate` for rollouts (DLMGenerationConfig fields)."""
+        compile_choice = True if str(self.generation_compile).lower() == "true" else self.generation_compile
         return dict(max_new_tokens=self.max_completion_length, steps=self.diffusion_steps,
                     block_length=self.block_length, remasking=self.remasking, threshold=self.threshold,
-                    cache=self.generation_cache, compile=self.generation_compile, temperature=self.temperature,
+                    cache=self.generation_cache, compile=compile_choice, temperature=self.temperature,
                     top_k=self.top_k or None, top_p=self.top_p)
-
 
 __all__ = ["DiffuGRPOConfig"]

@@ -64,19 +64,25 @@ def heldout_nll(model, trainer, rows):
 
 def test_sft_lowers_response_nll_and_never_noises_the_prompt(tmp_path, tokenizer):
     model = toy_model(tokenizer)
-    trainer = DLMSFTTrainer(model=model, args=sft_args(tmp_path, max_steps=120), train_dataset=sft_dataset(256, 0),
-                            processing_class=tokenizer)
-    before = heldout_nll(model, trainer, sft_dataset(32, 99))["nll_per_token"]
-    seen = []
-    corrupt = trainer.objective.corrupt
+    hooks = ["_prepare_dataset", "_set_signature_columns_if_needed", "compute_loss"]
+    with contextlib.ExitStack() as stack:  # trl calls every hook DLMSFTTrainer overrides
+        spies = {name: stack.enter_context(mock.patch.object(DLMSFTTrainer, name, autospec=True,
+                                                             side_effect=getattr(DLMSFTTrainer, name)))
+                 for name in hooks}
+        trainer = DLMSFTTrainer(model=model, args=sft_args(tmp_path, max_steps=120),
+                                train_dataset=sft_dataset(256, 0), processing_class=tokenizer)
+        before = heldout_nll(model, trainer, sft_dataset(32, 99))["nll_per_token"]
+        seen = []
+        corrupt = trainer.objective.corrupt
 
-    def spy(input_ids, sample_index, attention_mask=None, prompt_mask=None):
-        out = corrupt(input_ids, sample_index, attention_mask, prompt_mask)
-        seen.append((input_ids, prompt_mask, out))
-        return out
+        def spy(input_ids, sample_index, attention_mask=None, prompt_mask=None):
+            out = corrupt(input_ids, sample_index, attention_mask, prompt_mask)
+            seen.append((input_ids, prompt_mask, out))
+            return out
 
-    with mock.patch.object(trainer.objective, "corrupt", side_effect=spy):
-        trainer.train()
+        with mock.patch.object(trainer.objective, "corrupt", side_effect=spy):
+            trainer.train()
+    assert all(spies[name].called for name in hooks)
     after = heldout_nll(model, trainer, sft_dataset(32, 99))["nll_per_token"]
     assert after < before - 0.5, (before, after)
     assert len(seen) == 120
@@ -205,3 +211,22 @@ def test_grpo_with_lora_and_mc_elbo(tmp_path, tokenizer):
     changed = {n for n, p in trainer.model.named_parameters() if "lora_B" in n and p.abs().sum() > 0}
     assert changed and trainer.ref_model is None  # the reference is the policy with the adapter disabled
     assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)  # base weights frozen
+
+
+def test_cli_sft_then_grpo_from_the_example_configs(tmp_path):
+    """`hf-dlm sft` / `hf-dlm grpo` with the toy YAML configs (the examples' code path), a few steps each."""
+    from pathlib import Path
+
+    from hf_dlm.cli import main
+
+    configs = Path(__file__).resolve().parents[1] / "examples" / "configs"
+    sft_dir, grpo_dir = tmp_path / "sft", tmp_path / "grpo"
+    assert main(["sft", "--config", str(configs / "sft_toy.yaml"), "--max_steps", "3",
+                 "--output_dir", str(sft_dir)]) == 0
+    assert (sft_dir / "model.safetensors").exists() and (sft_dir / "tokenizer.json").exists()
+    assert main(["grpo", "--config", str(configs / "grpo_toy.yaml"), "--max_steps", "2", "--model_name_or_path",
+                 str(sft_dir), "--output_dir", str(grpo_dir), "--logp_estimator", "mc_elbo",
+                 "--per_device_train_batch_size", "16"]) == 0
+    from transformers import AutoModelForMaskedLM
+
+    assert AutoModelForMaskedLM.from_pretrained(grpo_dir).config.mask_token_id == 2

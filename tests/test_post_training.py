@@ -185,6 +185,14 @@ def test_trl_calls_every_overridden_hook_and_iterations_use_their_own_masks(tmp_
 
     hooks = ["_generate_single_turn", "_get_per_token_logps_and_entropies", "_generate_and_score_completions",
              "compute_loss"]
+    canvases = []
+    estimate = trainer.estimator
+
+    def record_canvas(model, input_ids, attention_mask, completion_length, *args, **kwargs):
+        canvases.append((input_ids[:, -completion_length:], attention_mask[:, -completion_length:]))
+        return estimate(model, input_ids, attention_mask, completion_length, *args, **kwargs)
+
+    trainer.estimator = record_canvas
     with contextlib.ExitStack() as stack:
         spies = {name: stack.enter_context(mock.patch.object(DiffuGRPOTrainer, name, autospec=True,
                                                              side_effect=getattr(DiffuGRPOTrainer, name)))
@@ -194,6 +202,13 @@ def test_trl_calls_every_overridden_hook_and_iterations_use_their_own_masks(tmp_
     for name in hooks:
         assert spies[name].called, name
     assert [c[0] for c in checked] == [0, 1, 0, 1]
+    # the estimator sees the sampler's canvas: after a completion's first EOS comes EOS fill, attended (trl's
+    # padding of the truncated completions is replaced)
+    eos = tokenizer.eos_token_id
+    assert any((completion == eos).any() for completion, _ in canvases)
+    for completion, attention in canvases:
+        after_eos = (completion == eos).long().cummax(1).values.bool()
+        assert attention.all() and (completion[after_eos] == eos).all()
     assert len({c[1] for c in checked}) == 4  # every rollout batch and inner iteration has its own masks
 
 

@@ -58,14 +58,17 @@ def test_one_step_hand_computed():
 
 def test_coupled_hand_computed():
     model = CountingModel()
-    ids, mask = canvas(4, 3)
+    ids, mask = canvas(4, 6)
     keys = row_keys(ids)
-    first = hashed_uniform(3, 2, keys, torch.arange(3))[0] < 0.5  # t_min = t_max = 0.5: t is exactly 0.5
+    # t_min = t_max = 0.25: t is exactly 0.25; a token is in the first pass iff its uniform is below t
+    first = hashed_uniform(3, 2, keys, torch.arange(6))[0] < 0.25
     m = int(first.sum())
-    expected_pair = torch.where(first, 2 * f(4 + 3 - m), 2 * f(4 + m))  # scored once, weighted 1 / 0.5
-    pair, _ = CoupledEstimator(mask_token_id=6, t_min=0.5, t_max=0.5, with_full_mask=False)(model, ids, mask, 3, 3)
+    assert 0 < m < 6  # both passes score something in this case
+    # scored once, in the pass where it is masked, weighted by the inverse probability of that mask
+    expected_pair = torch.where(first, f(4 + 6 - m) / 0.25, f(4 + m) / 0.75)
+    pair, _ = CoupledEstimator(mask_token_id=6, t_min=0.25, t_max=0.25, with_full_mask=False)(model, ids, mask, 6, 3)
     torch.testing.assert_close(pair[0], expected_pair)
-    triple, _ = CoupledEstimator(mask_token_id=6, t_min=0.5, t_max=0.5)(model, ids, mask, 3, 3)
+    triple, _ = CoupledEstimator(mask_token_id=6, t_min=0.25, t_max=0.25)(model, ids, mask, 6, 3)
     torch.testing.assert_close(triple[0], (f(4) + expected_pair) / 2)  # DiffuCoder: averaged with the full mask
 
 

@@ -156,7 +156,8 @@ def run_grpo(a, tokenizer, device, out_dir, lora: bool) -> dict:
     from hf_dlm.training.grpo_trainer import DiffuGRPOTrainer
 
     rng = random.Random(1)
-    rows = [{"prompt": [{"role": "user", "content": "".join(rng.choice("0123456789") for _ in range(a.prompt_len - 2))}]}
+    digits = a.prompt_len - 2  # <|user|> digits <|assistant|>
+    rows = [{"prompt": [{"role": "user", "content": "".join(rng.choice("0123456789") for _ in range(digits))}]}
             for _ in range(a.prompts * (a.grpo_steps + 1))]
 
     def even_ids(completions, completion_ids, **kwargs):  # any verifiable reward: the share of even token ids
@@ -242,7 +243,8 @@ def main(argv=None) -> int:
         if out:
             with open(os.path.join(out, "results.json"), "w") as f:
                 json.dump(rows, f, indent=1)
-    print("\n| section | step s | tokens/s | rollout s | rollout canvas tokens/s | peak GiB |\n|---|---|---|---|---|---|")
+    print("\n| section | step s | tokens/s | rollout s | rollout canvas tokens/s | peak GiB |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['section']} | {r.get('step_s', r.get('error'))} | {r.get('tokens_per_s', '')} | "
               f"{r.get('rollout_s', '')} | {r.get('rollout_canvas_tokens_per_s', '')} | {r.get('peak_gib', '')} |")

@@ -355,8 +355,8 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
         function = getattr(value, "__func__", value)
         if name == "forward" and "fused_lm_head" in getattr(getattr(function, "__code__", None), "co_varnames", ()):
             raise TypeError(
-                "trl tried to patch a DLM's forward with its causal fused LM head (next-token prediction), which is the "
-                "wrong objective for a diffusion LM. Use hf_dlm.DLMSFTTrainer / hf_dlm.DiffuGRPOTrainer instead of "
+                "trl tried to patch a DLM's forward with its causal fused LM head (next-token prediction), "
+                "which is the wrong objective for a diffusion LM. Use hf_dlm.DLMSFTTrainer / hf_dlm.DiffuGRPOTrainer instead of "
                 "trl's SFTTrainer / GRPOTrainer.")
         super().__setattr__(name, value)
 

@@ -89,7 +89,8 @@ class DiffuGRPOTrainer(GRPOTrainer):
         """Seed of the masks of inner iteration `iteration` of the current rollout batch (its own per batch)."""
         base = self.args.seed if self.args.estimator_seed is None else self.args.estimator_seed
         rollout = self._step // (self.args.steps_per_generation * self.num_iterations) if self.model.training else -1
-        key = mix32(torch.tensor([base & 0xFFFFFFFF]) ^ mix32(torch.tensor([(rollout * 0x10001 + iteration) & 0xFFFFFFFF])))
+        step_key = torch.tensor([(rollout * 0x10001 + iteration) & 0xFFFFFFFF])
+        key = mix32(torch.tensor([base & 0xFFFFFFFF]) ^ mix32(step_key))
         return int(key)
 
     # -- rollouts -------------------------------------------------------------------------------------

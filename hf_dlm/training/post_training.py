@@ -178,3 +178,20 @@ def run_grpo(argv: list[str] | None = None):
     trainer.save_model(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
     return trainer
+
+
+# -- the `hf-dlm sft` / `hf-dlm grpo` subcommands (flags pass through to TrlParser; see hf_dlm/cli.py) ----------
+def subcommand(name: str, config_class: str):
+    """(add_arguments, run) of `hf-dlm NAME`; light until `run` (no trl / datasets import in `--help`)."""
+
+    def add_arguments(parser):
+        parser.add_argument("--config", help=f"YAML file whose keys are fields of PostTrainingArguments / "
+                                             f"{config_class} (see examples/configs/{name}_toy.yaml); any "
+                                             "--field value pair overrides it")
+
+    def run(args) -> int:
+        runner = {"sft": run_sft, "grpo": run_grpo}[name]
+        runner((["--config", args.config] if args.config else []) + args.options)
+        return 0
+
+    return add_arguments, run

@@ -36,6 +36,13 @@ _LAZY = {
     "ConfigError": ".training.runner",
     "QuickstartConfig": ".training.quickstart",
     "run_quickstart": ".training.quickstart",
+    # post-training on trl / peft
+    "DLMSFTConfig": ".training.sft_config",
+    "DLMSFTTrainer": ".training.sft_trainer",
+    "DiffuGRPOConfig": ".training.grpo_config",
+    "DiffuGRPOTrainer": ".training.grpo_trainer",
+    "dlm_lora_config": ".training.lora",
+    "get_dlm_peft_model": ".training.lora",
     # data
     "DLMDataCollator": ".data.collator",
     "build_pretraining_dataset": ".data.streams",

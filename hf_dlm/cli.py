@@ -13,6 +13,8 @@ COMMANDS = {
     "quickstart": "train a tiny DLM on an embedded corpus on CPU, then sample from it",
     "preprocess": "tokenize JSONL / Parquet / HF datasets into Megatron indexed files",
     "train": "train a DLM from a YAML config (use `accelerate launch` for several processes)",
+    "sft": "supervised fine-tuning of a DLM on trl (DLMSFTTrainer; YAML via --config)",
+    "grpo": "RL of a DLM with diffu-GRPO on trl (DiffuGRPOTrainer; YAML via --config)",
     "generate": "sample from a DLM with a diffusion sampler",
     "convert": "convert checkpoints between AR / LLaDA / Dream / Megatron layouts and hf-dlm",
     "verify": "compare two checkpoints' logits and fail beyond the tolerance",
@@ -39,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"hf_dlm.commands.{name}")
     command_parser = argparse.ArgumentParser(prog=f"hf-dlm {name}", description=COMMANDS[name])
     module.add_arguments(command_parser)
-    return int(module.run(command_parser.parse_args(argv[1:])) or 0)
+    if getattr(module, "PASS_THROUGH", False):  # the command parses its own flags (e.g. trl's TrlParser)
+        args, rest = command_parser.parse_known_args(argv[1:])
+        args.options = rest
+    else:
+        args = command_parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":

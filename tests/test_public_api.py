@@ -52,7 +52,8 @@ def test_first_access_imports_only_its_module():
     assert "hf_dlm.training.elbo" in loaded and "hf_dlm.training.trainer" not in loaded
 
 
-@pytest.mark.parametrize("command", ["quickstart", "preprocess", "train", "generate", "convert", "verify", "serve", "eval"])
+@pytest.mark.parametrize("command", ["quickstart", "preprocess", "train", "sft", "grpo", "generate", "convert", "verify",
+                                     "serve", "eval"])
 def test_subcommand_help_imports_no_heavy_module(command):
     loaded = _modules_after(
         "from hf_dlm.cli import main\n"

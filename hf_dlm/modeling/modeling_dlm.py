@@ -404,6 +404,17 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def __setattr__(self, name, value):
+        # trl's SFTTrainer / GRPOTrainer replace `forward` with a fused *causal* LM head (hidden state i scores
+        # token i + 1): on a diffusion LM that silently trains next-token prediction. Refuse it loudly.
+        function = getattr(value, "__func__", value)
+        if name == "forward" and "fused_lm_head" in getattr(getattr(function, "__code__", None), "co_varnames", ()):
+            raise TypeError(
+                "trl tried to patch a DLM's forward with its causal fused LM head (next-token prediction), "
+                "which is the wrong objective for a diffusion LM. Use hf_dlm.DLMSFTTrainer / hf_dlm.DiffuGRPOTrainer instead of "
+                "trl's SFTTrainer / GRPOTrainer.")
+        super().__setattr__(name, value)
+
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
@@ -429,6 +440,7 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
         return_logits: bool | None = None,
         output_hidden_states: bool | None = None,
         kv_cache=None,
+        logits_to_keep: int = 0,
         **kwargs,
     ) -> DiffusionLMOutput:
         """
@@ -437,6 +449,7 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
         (B, L): per-position loss weights (the diffusion ELBO weight); num_items_in_batch: the loss
         normaliser (default: the number of supervised positions). With labels, only the supervised
         positions' logits are computed, in chunks of `config.loss_chunk_size`.
+        logits_to_keep: as in transformers' LMs, only the last `logits_to_keep` positions' logits (0: all).
         """
         outputs = self.model(
             input_ids=input_ids,
@@ -462,7 +475,7 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
             if loss is not None:
                 loss = loss + router_loss
         if labels is None or return_logits:
-            logits = self.lm_head(hidden_states)
+            logits = self.lm_head(hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states)
         return DiffusionLMOutput(
             loss=loss, logits=logits, num_loss_tokens=num_loss_tokens, hidden_states=outputs.hidden_states,
             aux_loss=aux_loss, router_z_loss=router_z_loss, router_loss=router_loss,

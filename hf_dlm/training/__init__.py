@@ -1,5 +1,6 @@
 """Training: the masked-diffusion objective and its noise, the ELBO, `DLMTrainingArguments`,
-`DLMTrainer`, the YAML runner and the quickstart. Names load on first access."""
+`DLMTrainer`, the YAML runner, the quickstart, and post-training on trl / peft (`DLMSFTTrainer`,
+`DiffuGRPOTrainer`, log-probability estimators, LoRA). Names load on first access."""
 
 from ..utils.lazy import lazy_exports
 
@@ -9,6 +10,10 @@ _LAZY = {
     "run_pretraining": ".runner", "register_data_builder": ".runner", "load_config": ".runner",
     "ConfigError": ".runner",
     "QuickstartConfig": ".quickstart", "run_quickstart": ".quickstart",
+    # post-training on trl / peft (import trl or peft only when used)
+    "DLMSFTConfig": ".sft_config", "DLMSFTTrainer": ".sft_trainer", "DiffuGRPOConfig": ".grpo_config",
+    "DiffuGRPOTrainer": ".grpo_trainer", "build_estimator": ".logp_estimators", "dlm_lora_config": ".lora",
+    "get_dlm_peft_model": ".lora",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _LAZY)

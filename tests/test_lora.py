@@ -1,0 +1,56 @@
+"""peft LoRA on DLM models: default targets, DLMTrainer with an adapter, save / reload, merge."""
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")  # the `trl` extra; CI installs it through the `test` extra
+
+from hf_dlm.training.lora import (DLM_LORA_TARGET_MODULES, dlm_lora_config, get_dlm_peft_model,  # noqa: E402
+                                  register_peft_defaults)
+from tests.conftest import MASK_ID, VOCAB, tiny_model  # noqa: E402
+from tests.toy_tasks import one_thread  # noqa: E402,F401
+from tests.trainer_utils import make_args, random_dataset  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def trained_adapter(tmp_path):
+    """A LoRA adapter trained for a few DLMTrainer steps (non-zero B, so the adapter changes the outputs)."""
+    from hf_dlm import DLMTrainer
+
+    model = get_dlm_peft_model(tiny_model(seed=1).train(), r=4, lora_alpha=8)
+    trainer = DLMTrainer(model=model, args=make_args(tmp_path / "run", max_steps=6, t_buckets=0),
+                         train_dataset=random_dataset())
+    frozen = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainer.train()
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)  # base untouched
+    assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)  # the adapter trained
+    return model.eval()
+
+
+def test_default_targets_are_every_projection():
+    register_peft_defaults()
+    model = peft.get_peft_model(tiny_model(), peft.LoraConfig(r=2))  # no target_modules: the DLM default
+    wrapped = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert wrapped == set(DLM_LORA_TARGET_MODULES)
+    assert dlm_lora_config().target_modules == set(DLM_LORA_TARGET_MODULES)
+
+
+def test_adapter_saved_reloaded_and_merged_give_identical_outputs(tmp_path):
+    model = trained_adapter(tmp_path)
+    ids = torch.randint(0, VOCAB - 1, (3, 12), generator=torch.Generator().manual_seed(0))
+    ids[:, 4:8] = MASK_ID
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        base_logits = tiny_model(seed=1)(input_ids=ids).logits
+        tokens = model.generate(ids[:, :4], max_new_tokens=8, steps=8, temperature=0)
+    assert not torch.allclose(logits, base_logits)  # the adapter matters
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = peft.PeftModel.from_pretrained(tiny_model(seed=1), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, logits, rtol=0, atol=0)
+        assert torch.equal(reloaded.generate(ids[:, :4], max_new_tokens=8, steps=8, temperature=0), tokens)
+        merged = reloaded.merge_and_unload()
+        assert not any("lora" in name for name, _ in merged.named_parameters())
+        torch.testing.assert_close(merged(input_ids=ids).logits, logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(merged.generate(ids[:, :4], max_new_tokens=8, steps=8, temperature=0), tokens)

@@ -21,7 +21,7 @@ import shutil
 import time
 
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import Dataset, IterableDataset
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 from transformers.utils import logging
@@ -55,6 +55,10 @@ class DLMTrainer(Trainer):
             raise TypeError(f"DLMTrainer needs DLMTrainingArguments, got {type(args).__name__}")
         if model is None:
             raise ValueError("DLMTrainer needs a model")
+        self._epoch_stride = None
+        if _needs_sample_index(train_dataset):
+            train_dataset = _IndexedSamples(train_dataset)
+            self._epoch_stride = len(train_dataset)  # noise key = epoch * len(dataset) + dataset index
         if data_collator is None:
             data_collator = DLMDataCollator(pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
         if (isinstance(data_collator, DLMDataCollator) and data_collator.state_source is None
@@ -83,13 +87,17 @@ class DLMTrainer(Trainer):
         self._flops_per_token_fixed = None
 
     # -- batches ------------------------------------------------------------------------------------
-    def _corrupt(self, batch: dict, device) -> dict:
-        """Clean batch -> the model's inputs (+ statistics under _STATS)."""
+    def _corrupt(self, batch: dict, device, t_group: tuple | None = None) -> dict:
+        """Clean batch -> the model's inputs (+ statistics under _STATS). t_group: (sorted keys of the
+        step's global batch, its size) for antithetic t (`_antithetic_group`)."""
         input_ids = batch["input_ids"].to(device)  # (B, L)
         attention_mask, prompt_mask = batch.get("attention_mask"), batch.get("prompt_mask")
         attention_mask = None if attention_mask is None else attention_mask.to(device)
-        inputs = self.objective.corrupt(input_ids, batch["sample_index"].to(device), attention_mask,
-                                        None if prompt_mask is None else prompt_mask.to(device))
+        sample_index = batch["sample_index"].to(device)
+        t_slot = None if t_group is None else torch.searchsorted(t_group[0], sample_index)
+        inputs = self.objective.corrupt(input_ids, sample_index, attention_mask,
+                                        None if prompt_mask is None else prompt_mask.to(device),
+                                        t_slot, None if t_group is None else t_group[1])
         model_inputs = {k: inputs[k] for k in ("input_ids", "labels", "label_weights", "attention_mask")
                         if inputs[k] is not None}
         if "position_ids" in batch:
@@ -103,8 +111,9 @@ class DLMTrainer(Trainer):
             masked_rows = None
         else:
             masked_rows = inputs["masked"].sum(1)  # (B,)
-            # "token" counts masked tokens unclamped so the sum over micro-batches is exact
-            items = masked_rows.sum() if self.objective.normalization == "token" else inputs["num_items_in_batch"]
+            # counted unclamped so the sum over micro-batches is exact
+            counted = {"token": inputs["supervised"], "masked": inputs["masked"]}.get(self.objective.normalization)
+            items = inputs["num_items_in_batch"] if counted is None else counted.sum()
         model_inputs[_STATS] = {"t": inputs["t"], "masked_rows": masked_rows, "tokens": real,
                                 "items": torch.as_tensor(items, device=device, dtype=torch.float32),
                                 "length": input_ids.shape[1]}
@@ -114,7 +123,7 @@ class DLMTrainer(Trainer):
         """The micro-batches of one optimizer step, corrupted, and their global number of loss items."""
         if self._window_start is None:
             self._window_start = time.perf_counter()
-        batch_samples = []
+        batches = []
         for _ in range(num_batches):
             try:
                 batch = next(epoch_iterator)
@@ -123,13 +132,36 @@ class DLMTrainer(Trainer):
             state = batch.pop(DATA_STATE_KEY, None)
             if state is not None:
                 self._data_state = state
-            batch_samples.append(self._corrupt(batch, device))
-        if not batch_samples:
-            return batch_samples, None
+            batches.append(self._keyed(batch))
+        if not batches:
+            return batches, None
+        t_group = self._antithetic_group(batches, device)
+        batch_samples = [self._corrupt(batch, device, t_group) for batch in batches]
         num_items = sum(b[_STATS]["items"] for b in batch_samples)
         if self.accelerator.num_processes > 1:
             num_items = self.accelerator.gather(num_items.reshape(1)).sum()
         return batch_samples, num_items.clamp(min=1)
+
+    def _keyed(self, batch: dict) -> dict:
+        """A batch of an ordinary map-style dataset carries dataset indices: key its noise by the epoch too,
+        so every pass over the data draws new noise, the same on any topology and after a resume."""
+        if self._epoch_stride is not None:
+            epoch = math.floor(self.state.epoch or 0)  # passes completed before this step
+            batch["sample_index"] = batch["sample_index"] + epoch * self._epoch_stride
+        return batch
+
+    def _antithetic_group(self, batches: list[dict], device) -> tuple | None:
+        """Antithetic t is stratified over the optimizer step's global batch (MDLM stratifies over its
+        batch): the sorted, distinct sample keys of all micro-batches on all ranks. A sample's slot is its
+        key's rank there, so it does not depend on world size, micro-batch split or data-loader order."""
+        if self.objective.mode != "diffusion" or self.objective.t_sampling != "antithetic":
+            return None
+        keys = torch.cat([b["sample_index"] for b in batches]).to(device)
+        if self.accelerator.num_processes > 1:
+            keys = self.accelerator.gather(self.accelerator.pad_across_processes(keys, pad_index=-1))
+            keys = keys[keys >= 0]
+        keys = torch.unique(keys)  # sorted; replicas of a batch (tensor/context parallel ranks) count once
+        return keys, keys.numel()
 
     # -- loss -----------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -352,6 +384,31 @@ class DLMTrainer(Trainer):
                                  ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         finally:
             self.args.ignore_data_skip = restore_skip
+
+
+class _IndexedSamples(Dataset):
+    """An ordinary map-style dataset (a tokenized `datasets.Dataset`, a list of dicts) whose items have
+    `input_ids` but no `sample_index`: each item gets its dataset index (the trainer adds the epoch)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        item = self.dataset[index]
+        if not isinstance(item, dict) or "input_ids" not in item:
+            raise ValueError(f"DLMTrainer: train_dataset[{index}] must be a dict with 'input_ids', got "
+                             f"{type(item).__name__}{' with keys ' + str(sorted(item)) if isinstance(item, dict) else ''}")
+        return {**item, "sample_index": int(index)}
+
+
+def _needs_sample_index(dataset) -> bool:
+    if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return False
+    first = dataset[0]
+    return isinstance(first, dict) and "sample_index" not in first
 
 
 def _fsync_tree(path: str) -> None:

@@ -69,6 +69,24 @@ class DLMGenerationMixin:
             value = DLMGenerationConfig.from_any(value, validate=False)
         self.__dict__["_dlm_generation_config"] = value
 
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                             cache_dir=None, force_download=False, proxies=None, local_files_only=False, token=None,
+                             revision=None, subfolder="", trust_remote_code=None, **kwargs):
+        """Called by `from_pretrained` (transformers' GenerationMixin hook): the checkpoint's
+        generation_config.json, else the one built from the model config; `generation_config=` wins."""
+        if generation_config is not None:
+            self.generation_config = generation_config
+            return
+        if pretrained_model_name_or_path is None:
+            return
+        try:
+            self.generation_config = GenerationConfig.from_pretrained(
+                pretrained_model_name_or_path, cache_dir=cache_dir, force_download=force_download, proxies=proxies,
+                local_files_only=local_files_only, token=token, revision=revision, subfolder=subfolder,
+                _from_auto=from_auto_class, _from_pipeline=from_pipeline)
+        except OSError:
+            pass  # no generation_config.json: keep the one built from the model config
+
     @torch.no_grad()
     def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                  generation_config=None, streamer=None, callback=None, generator: torch.Generator | None = None,

@@ -67,3 +67,58 @@ def test_antithetic_t_is_stratified_over_the_step_global_batch(tmp_path, batch, 
     slot = torch.argsort(torch.argsort(keys, dim=1), dim=1)
     expected = 1e-3 + (1 - 1e-3) * (hashed_uniform(0, 0, keys.flatten()).view(3, 4) + slot) / 4
     torch.testing.assert_close(t, expected)
+
+
+def _random_yaml(tmp_path, seed):
+    path = tmp_path / f"run{seed}.yaml"
+    path.write_text("model:\n  config: {vocab_size: 99, mask_token_id: 98, hidden_size: 32, intermediate_size: 64,\n"
+                    "           num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2,\n"
+                    "           tie_word_embeddings: true}\n"
+                    "data: {kind: random, seq_len: 16, num_samples: 32}\n"
+                    f"training: {{output_dir: {tmp_path / 'out'}, use_cpu: true, max_steps: 2, seed: {seed},\n"
+                    "           per_device_train_batch_size: 4, learning_rate: 1.0e-2, report_to: none,\n"
+                    "           save_strategy: 'no', logging_steps: 1, disable_tqdm: true}\n")
+    return str(path)
+
+
+def test_the_same_yaml_twice_gives_the_same_run_and_the_seed_matters(tmp_path):
+    from hf_dlm.training.runner import build_trainer, load_config
+
+    runs = []
+    for seed in (0, 0, 1):
+        path = _random_yaml(tmp_path, seed)
+        trainer, _ = build_trainer(load_config(path), path)
+        initial = flat_params(trainer.model).clone()
+        trainer.train()
+        runs.append((initial, [log["loss"] for log in trainer.state.log_history if "loss" in log]))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+    assert not torch.equal(runs[0][0], runs[2][0])
+
+
+def test_resuming_a_tied_model_warns_about_nothing_and_an_output_dir_with_checkpoints_is_refused(tmp_path, caplog):
+    from transformers.utils import logging as hf_logging
+
+    from tests.conftest import tiny_model
+    from tests.trainer_utils import RecordingTrainer, make_args, random_dataset
+
+    def trainer(**overrides):
+        model = tiny_model(tie_word_embeddings=True).train()
+        return RecordingTrainer(model=model, args=make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2,
+                                                            **overrides), train_dataset=random_dataset())
+
+    first = trainer()
+    first.add_callback(StopAfter(2))
+    first.train()
+    with pytest.raises(ValueError, match=r"already holds checkpoint-2: pass resume_from_checkpoint=True"):
+        trainer().train()
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            resumed = trainer()
+            resumed.train(resume_from_checkpoint=True)
+    finally:
+        hf_logging.disable_propagation()
+    assert "missing keys" not in caplog.text
+    model = resumed.model
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+    trainer(overwrite_output_dir=True).train()  # told to start over: allowed

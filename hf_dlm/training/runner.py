@@ -289,6 +289,8 @@ def build_training_args(training: dict, path: str = "config"):
 
 def build_trainer(config: dict, path: str = "config"):
     """(trainer, tokenizer) from a loaded config."""
+    from transformers import set_seed
+
     from .trainer import DLMTrainer
 
     args = build_training_args(config.get("training", {}), path)
@@ -296,6 +298,9 @@ def build_trainer(config: dict, path: str = "config"):
     model_options = dict(model_section.pop("config", None) or {})
     check_model_section(model_section, model_options, path)
     data = build_data(config.get("data", {"kind": "corpus"}), model_options, path)
+    # a model built from its config draws its initial weights now, before the Trainer seeds: seed first,
+    # so the same YAML twice gives the same run (Trainer(model_init=...) does the same)
+    set_seed(args.seed)
     model = build_model(model_section, model_options, path)
     trainer = DLMTrainer(model=model, args=args, train_dataset=data["train"], eval_dataset=data["eval"],
                          processing_class=data["tokenizer"])

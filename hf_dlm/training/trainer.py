@@ -340,6 +340,14 @@ class DLMTrainer(Trainer):
             return  # called by the parent's save with the staging folder, renamed away before the upload reads it
         super()._push_from_checkpoint(checkpoint_folder)
 
+    def _issue_warnings_after_load(self, load_result) -> None:
+        """A tied lm_head is not saved (it is the embedding, which loading keeps shared): not a missing key."""
+        model = self.accelerator.unwrap_model(self.model)
+        tied = set(getattr(model, "_tied_weights_keys", None) or ())
+        if getattr(model.config, "tie_word_embeddings", False) and tied & set(load_result.missing_keys):
+            load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
+        super()._issue_warnings_after_load(load_result)
+
     def _rank_file(self, checkpoint_dir: str, name: str) -> str:
         return os.path.join(checkpoint_dir, name.format(rank=self.args.process_index))
 
@@ -366,6 +374,12 @@ class DLMTrainer(Trainer):
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"no valid checkpoint found in output_dir {self.args.output_dir!r}")
+        if not resume_from_checkpoint and not self.args.overwrite_output_dir and self.args.should_save:
+            existing = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+            if existing is not None:
+                raise ValueError(f"output_dir {self.args.output_dir!r} already holds {os.path.basename(existing)}: "
+                                 "pass resume_from_checkpoint=True to continue it, or overwrite_output_dir=True "
+                                 "(or another output_dir) to start a new run")
         restore_skip = self.args.ignore_data_skip
         if resume_from_checkpoint:
             data_state = (self._load_rank_file(resume_from_checkpoint, DATA_STATE_NAME)

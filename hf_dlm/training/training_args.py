@@ -96,6 +96,12 @@ class DLMTrainingArguments(TrainingArguments):
         metadata={"help": "torch.compile each decoder block separately (torchtitan's per-block compile), applied by "
                           "hf_dlm.parallel.parallelize."},
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train into an output_dir that already holds checkpoints without resuming from them (they "
+                          "are then overwritten as the new run saves). False: `train()` refuses such a folder unless "
+                          "resume_from_checkpoint is given."},
+    )
     # -- parent defaults changed ------------------------------------------------------------------
     remove_unused_columns: bool = field(
         default=False,

@@ -142,7 +142,9 @@ def test_prepare_folder_and_push_with_mocked_hub(tmp_path, monkeypatch):
     import pytest
 
     with pytest.raises(SystemExit, match="push-to-hub"):
-        cli_main(["convert", "--to", "megatron", str(folder), str(tmp_path / "mega"), "--push-to-hub", "user/m"])
+        cli_main(["convert", "--to", "megatron", str(folder), str(tmp_path / "mega"), "--push-to-hub", "user/m",
+                  "--debug"])
+    assert cli_main(["convert", "--to", "megatron", str(folder), str(tmp_path / "mega"), "--push-to-hub", "user/m"]) == 2
     assert not (tmp_path / "mega").exists()
 
 

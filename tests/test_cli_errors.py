@@ -109,3 +109,43 @@ def test_offline_push_says_the_local_folder_is_complete(tmp_path, capsys, monkey
     err = one_line_error(capsys, ["convert", str(tmp_path / "llama"), str(tmp_path / "out"), "--push-to-hub",
                                   "someone/model"], "is complete, but the upload to someone/model failed")
     assert (tmp_path / "out" / "model.safetensors").is_file() and str(tmp_path / "out") in err
+
+
+def test_artefacts_model_card_training_record_file_modes_and_pad_token(tmp_path):
+    """The card's pipeline loads the model; DLMTrainer records its run in the card; files are 0644
+    (under umask 022); a converted AR tokenizer without a pad token gets one (batched generation)."""
+    import os
+    import stat
+
+    from transformers import AutoTokenizer, pipeline
+
+    from hf_dlm.data.corpus import train_bpe_tokenizer
+    from tests.trainer_utils import make_trainer
+
+    trainer = make_trainer(tmp_path / "run", max_steps=2)
+    trainer.train()
+    tokenizer = train_bpe_tokenizer(["a b c d e f g"] * 20, vocab_size=99)
+    trainer.processing_class = tokenizer
+    final = tmp_path / "run" / "final"
+    previous = os.umask(0o022)
+    try:
+        trainer.save_model(str(final))
+    finally:
+        os.umask(previous)
+    card = (final / "README.md").read_text()
+    assert "pipeline_tag: fill-mask" in card and "| global_step | `2` |" in card and "| objective_preset | `mdlm` |" in card
+    for name in os.listdir(final):
+        assert stat.S_IMODE(os.stat(final / name).st_mode) == 0o644, name
+    fill = pipeline("fill-mask", model=str(final))  # the card's pipeline loads this model
+    assert type(fill.model).__name__ == "DLMForDiffusionLM"
+
+    save_ar_checkpoint("llama", tmp_path / "llama")
+    ar_tokenizer = train_bpe_tokenizer(["a b c d e f g"] * 20, vocab_size=90)
+    ar_tokenizer.pad_token = None
+    ar_tokenizer.save_pretrained(tmp_path / "llama")
+    assert cli_main(["convert", str(tmp_path / "llama"), str(tmp_path / "converted")]) == 0
+    converted = AutoTokenizer.from_pretrained(tmp_path / "converted")
+    assert converted.pad_token == converted.eos_token and converted.pad_token_id is not None
+    config = json.loads((tmp_path / "converted" / "config.json").read_text())
+    assert config["pad_token_id"] == converted.pad_token_id
+    assert stat.S_IMODE(os.stat(tmp_path / "converted" / "config.json").st_mode) & 0o044 == 0o044

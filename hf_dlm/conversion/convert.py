@@ -202,6 +202,12 @@ def load_as_dlm(family: str, source: str | os.PathLike, options: ConversionOptio
             record["mask_token"] = f"added id {mask_id}, embedding row = mean of the {trained_rows} trained rows"
         else:
             record["mask_token"] = f"the tokenizer's own mask token, id {mask_id}"
+    if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        # AR tokenizers often have no pad token; batched generation and SFT pad (left / right, always with
+        # an attention mask, so the id is never attended to): the EOS token, as transformers users do
+        tokenizer.pad_token = tokenizer.eos_token
+        record["pad_token"] = f"none in the source: the EOS token {tokenizer.eos_token!r} (id {tokenizer.pad_token_id})"
+        config_options["pad_token_id"] = tokenizer.pad_token_id
     if tokenizer is not None:
         for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
             if config_options.get(name) is None and getattr(tokenizer, name, None) is not None:

@@ -40,12 +40,14 @@ def build_model_card(
     info: dict | None = None,
     repo_id: str | None = None,
     license: str | None = None,
-    pipeline_tag: str = "text-generation",
+    pipeline_tag: str = "fill-mask",
     title: str | None = None,
     tags: list[str] | None = None,
 ):
     """A `huggingface_hub.ModelCard` for a DLM. `info` is the provenance file's content (conversion and
-    training records); explicit `base_model` / `training_details` take precedence over it."""
+    training records); explicit `base_model` / `training_details` take precedence over it. The default
+    `pipeline_tag` is "fill-mask": its pipeline loads through AutoModelForMaskedLM, which a DLM registers
+    ("text-generation" loads AutoModelForCausalLM and fails)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     info = dict(info or {})

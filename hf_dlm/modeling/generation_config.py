@@ -45,8 +45,10 @@ UNSUPPORTED = {
     "prompt_lookup_num_tokens": None, "assistant_early_exit": None, "watermarking_config": None,
     "max_time": None,
 }
-# generate() keywords that are not GenerationConfig fields but mean something to transformers callers
-EXTRA_GENERATE_KWARGS = ("tokenizer", "disable_compile")
+# generate() keywords that are not GenerationConfig fields but come from transformers callers: a tokenizer
+# (for stop strings, unsupported anyway), compile switches, and `model.generate(**tokenizer(...))`'s
+# token_type_ids (a DLM has no token types); accepted and not used
+EXTRA_GENERATE_KWARGS = ("tokenizer", "disable_compile", "token_type_ids")
 
 
 class DLMGenerationConfig(GenerationConfig):

@@ -335,6 +335,32 @@ class DLMTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         self._paused += time.perf_counter() - start
 
+    def training_details(self) -> dict:
+        """What the model card's "Training details" table records about this run."""
+        args, objective = self.args, self.objective
+        details = {"trainer": "hf_dlm.DLMTrainer", "objective_preset": args.objective_preset,
+                   **{name: getattr(objective, name) for name in ("mode", "schedule", "weighting", "t_sampling",
+                                                                  "eps", "normalization", "label_alignment")},
+                   "global_step": self.state.global_step, "epochs": round(float(self.state.epoch or 0), 4),
+                   "learning_rate": args.learning_rate, "lr_scheduler_type": str(getattr(args.lr_scheduler_type,
+                                                                                      "value", args.lr_scheduler_type)),
+                   "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+                   * args.world_size, "world_size": args.world_size, "seed": args.seed,
+                   "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"}
+        if args.fp8_recipe:
+            details["fp8_recipe"] = args.fp8_recipe
+        return details
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """The parent's save, then the training record and a model card that shows it."""
+        super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save and self._staging_root is None:  # final models, not every checkpoint
+            from ..conversion.model_card import write_info, write_model_card
+
+            write_info(output_dir, training=self.training_details())
+            write_model_card(output_dir, self.accelerator.unwrap_model(self.model).config)
+
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         if self._staging_root is not None:
             return  # called by the parent's save with the staging folder, renamed away before the upload reads it

@@ -50,6 +50,10 @@ def pack_windows(tokenizer, docs: list[str], seq_len: int) -> torch.Tensor:
 
 
 def run_quickstart(cfg: QuickstartConfig, log=print) -> dict:
+    """Everything, corpus to sample, within about `cfg.max_seconds`: training gets what the corpus, the
+    two held-out evaluations, the save and the sample leave (the last three estimated from the first
+    evaluation and a timed sampler forward)."""
+    run_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -74,17 +78,26 @@ def run_quickstart(cfg: QuickstartConfig, log=print) -> dict:
                                                            seed=cfg.seed)
     n_params = sum(p.numel() for p in model.parameters())
     model.eval()
+    eval_start = time.perf_counter()
     before = elbo_nll(model, heldout, mc_num=cfg.mc_num, seed=cfg.seed)["nll_per_token"]
+    eval_seconds = time.perf_counter() - eval_start
     log(f"model: {n_params / 1e6:.2f}M parameters; held-out ELBO at init: {before:.3f} nats/token")
+    with torch.no_grad():  # one sampler forward, to budget the sample (one forward per new token)
+        probe = torch.zeros(1, cfg.seq_len // 4 + cfg.max_new_tokens, dtype=torch.long)
+        forward_start = time.perf_counter()
+        model(input_ids=probe)
+        sample_seconds = (time.perf_counter() - forward_start) * cfg.max_new_tokens
+    finish_seconds = eval_seconds + sample_seconds + 1.0  # + save and reload
+    train_budget = max(0.0, cfg.max_seconds - (time.perf_counter() - run_start) - finish_seconds)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
     order = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(cfg.seed))
     model.train()
     start, step, losses = time.perf_counter(), 0, []
-    bar = tqdm(total=int(cfg.max_seconds), unit="s", desc="training", bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
-    while step < cfg.max_steps and (elapsed := time.perf_counter() - start) < cfg.max_seconds:
+    bar = tqdm(total=int(train_budget), unit="s", desc="training", bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
+    while step < cfg.max_steps and (elapsed := time.perf_counter() - start) < train_budget:
         # warmup then cosine decay over the time budget
-        progress = min(elapsed / cfg.max_seconds, 1.0)
+        progress = min(elapsed / max(train_budget, 1e-9), 1.0)
         lr = cfg.learning_rate * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * progress))
         for group in optimizer.param_groups:
             group["lr"] = max(lr, cfg.learning_rate * 0.02)
@@ -99,7 +112,7 @@ def run_quickstart(cfg: QuickstartConfig, log=print) -> dict:
         step += 1
         if step % 10 == 0:
             bar.set_postfix(step=step, loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}", refresh=False)
-            bar.update(min(time.perf_counter() - start, cfg.max_seconds) - bar.n)
+            bar.update(min(time.perf_counter() - start, train_budget) - bar.n)
     bar.close()
     train_seconds = time.perf_counter() - start
 
@@ -120,7 +133,7 @@ def run_quickstart(cfg: QuickstartConfig, log=print) -> dict:
         "steps": step, "train_seconds": round(train_seconds, 1), "tokens_seen": step * cfg.batch_size * cfg.seq_len,
         "heldout_elbo_before": round(before, 4), "heldout_elbo_after": round(after, 4),
         "relative_drop": round(1 - after / before, 4), "checkpoint": cfg.output_dir,
-        "prompt": cfg.prompt, "sample": sample,
+        "prompt": cfg.prompt, "sample": sample, "total_seconds": round(time.perf_counter() - run_start, 1),
     }
     log(f"trained {step} steps in {train_seconds:.0f}s; held-out ELBO {before:.3f} -> {after:.3f} nats/token "
         f"({100 * result['relative_drop']:.1f}% lower)")

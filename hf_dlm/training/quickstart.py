@@ -88,7 +88,8 @@ def run_quickstart(cfg: QuickstartConfig, log=print) -> dict:
         model(input_ids=probe)
         sample_seconds = (time.perf_counter() - forward_start) * cfg.max_new_tokens
     finish_seconds = eval_seconds + sample_seconds + 1.0  # + save and reload
-    train_budget = max(0.0, cfg.max_seconds - (time.perf_counter() - run_start) - finish_seconds)
+    setup_seconds = time.perf_counter() - run_start
+    train_budget = max(0.0, cfg.max_seconds - setup_seconds - finish_seconds)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
     order = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(cfg.seed))
@@ -134,6 +135,7 @@ def run_quickstart(cfg: QuickstartConfig, log=print) -> dict:
         "heldout_elbo_before": round(before, 4), "heldout_elbo_after": round(after, 4),
         "relative_drop": round(1 - after / before, 4), "checkpoint": cfg.output_dir,
         "prompt": cfg.prompt, "sample": sample, "total_seconds": round(time.perf_counter() - run_start, 1),
+        "budget": {"setup_seconds": setup_seconds, "train_seconds": train_budget, "finish_seconds": finish_seconds},
     }
     log(f"trained {step} steps in {train_seconds:.0f}s; held-out ELBO {before:.3f} -> {after:.3f} nats/token "
         f"({100 * result['relative_drop']:.1f}% lower)")

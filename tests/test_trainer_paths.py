@@ -95,6 +95,11 @@ def test_sft_with_excluded_padding_never_attends_noises_or_supervises_padding_or
     batch = trainer.data_collator([dataset[i] for i in range(6)])
     padding, prompt = batch["attention_mask"] == 0, batch["prompt_mask"]
     assert padding.any() and prompt.any()
+    for i, row in enumerate(rows):  # the prompt mask is exactly the rendered prompt, the rest of the row is answer
+        prompt_text = tokenizer.apply_chat_template(row["messages"][:-1], tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        assert prompt[i].tolist() == [True] * len(prompt_ids) + [False] * (prompt.shape[1] - len(prompt_ids))
+        assert batch["input_ids"][i, :len(prompt_ids)].tolist() == prompt_ids
     inputs = trainer._corrupt(batch, torch.device("cpu"))
     untouched = padding | prompt
     assert torch.equal(inputs["input_ids"][untouched], batch["input_ids"][untouched])  # never noised

@@ -139,6 +139,10 @@ def test_stream_dataset_resumes_from_its_saved_position(tmp_path):
     assert torch.load(tmp_path / "split" / "checkpoint-3" / DATA_STATE_NAME.format(rank=0)) == {"consumed_samples": 6}
     resumed = run(tmp_path / "split", resume=True, seed=1)
     assert first.sample_indices + resumed.sample_indices == straight.sample_indices == list(range(12))
+    # `epoch` counts passes over the 10 windows (the Trainer alone would count fractions of max_steps)
+    epochs = [log["epoch"] for log in straight.state.log_history if "loss" in log]
+    assert epochs == [0.2, 0.4, 0.6, 0.8, 1.0, 1.2]
+    assert [log["epoch"] for log in resumed.state.log_history if "loss" in log][-1] == 1.2
     torch.testing.assert_close(torch.tensor(first.step_losses + resumed.step_losses),
                                torch.tensor(straight.step_losses), rtol=0, atol=1e-6)
     torch.testing.assert_close(flat_params(resumed.model), flat_params(straight.model), rtol=0, atol=1e-6)

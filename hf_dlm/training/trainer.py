@@ -264,7 +264,23 @@ class DLMTrainer(Trainer):
     def log(self, logs: dict, start_time: float | None = None) -> None:
         if "learning_rate" in logs and "loss" in logs:  # a training log
             logs.update(self._window_logs())
-        super().log(logs, start_time)
+        passes = self._passes_over_data()
+        if passes is None:
+            return super().log(logs, start_time)
+        trainer_epoch, self.state.epoch = self.state.epoch, passes  # the parent writes state.epoch into logs
+        try:
+            super().log(logs, start_time)
+        finally:
+            self.state.epoch = trainer_epoch
+
+    def _passes_over_data(self) -> float | None:
+        """An endless stream has no length, so the Trainer's `epoch` would count fractions of max_steps: with
+        a stream of known epoch size (`DistributedSampleStream`), `epoch` is the passes over the data."""
+        samples = getattr(self.train_dataset, "samples", None)
+        per_epoch = getattr(samples, "samples_per_epoch", None)
+        if not per_epoch or not isinstance(self._data_state, dict) or "consumed_samples" not in self._data_state:
+            return None
+        return round(int(self._data_state["consumed_samples"]) / per_epoch, 4)
 
     # -- evaluation -----------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:

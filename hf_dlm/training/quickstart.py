@@ -26,7 +26,7 @@ class QuickstartConfig:
     output_dir: str = "outputs/quickstart"
     max_seconds: float = 170.0
     max_steps: int = 100_000
-    vocab_size: int = 384
+    vocab_size: int = 2048  # whole-word BPE tokens: 384 gave sub-word fragments ("Thhess the *he")
     seq_len: int = 128
     batch_size: int = 16
     hidden_size: int = 128
@@ -40,6 +40,11 @@ class QuickstartConfig:
     seed: int = 0
     prompt: str = "The for statement is used to"
     max_new_tokens: int = 32
+    # the sample: blocks of 4, Gumbel sampling at T 0.8 among the 40 likeliest tokens (seeded); greedy
+    # low-confidence decoding of a model this small repeats its likeliest token ("the the the ...")
+    sample_block_length: int = 4
+    sample_temperature: float = 0.8
+    sample_top_k: int = 40
     threads: int | None = None
 
 
@@ -113,7 +118,7 @@ def run_quickstart(cfg: QuickstartConfig, log=print) -> dict:
         step += 1
         if step % 10 == 0:
             bar.set_postfix(step=step, loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}", refresh=False)
-            bar.update(min(time.perf_counter() - start, train_budget) - bar.n)
+            bar.update(min(time.perf_counter() - start, bar.total) - bar.n)  # never past the total
     bar.close()
     train_seconds = time.perf_counter() - start
 
@@ -128,7 +133,8 @@ def run_quickstart(cfg: QuickstartConfig, log=print) -> dict:
     loaded_tokenizer = AutoTokenizer.from_pretrained(cfg.output_dir)
     prompt = loaded_tokenizer(cfg.prompt, return_tensors="pt")["input_ids"]
     sequences = loaded.generate(prompt, max_new_tokens=cfg.max_new_tokens, steps=cfg.max_new_tokens,
-                                block_length=cfg.max_new_tokens // 2, temperature=0.0)
+                                block_length=cfg.sample_block_length, temperature=cfg.sample_temperature,
+                                top_k=cfg.sample_top_k, generator=torch.Generator().manual_seed(cfg.seed))
     sample = loaded_tokenizer.decode(sequences[0, prompt.shape[1]:], skip_special_tokens=True)
     result = {
         "steps": step, "train_seconds": round(train_seconds, 1), "tokens_seen": step * cfg.batch_size * cfg.seq_len,

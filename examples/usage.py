@@ -24,8 +24,9 @@ def main(argv=None):
 
     objective = MaskedDiffusionObjective.from_model_config(model.config, preset="mdlm")
     batch = tokenizer(["The with statement is used to wrap a block."] * 8, return_tensors="pt")
-    loss, inputs = objective(model, batch["input_ids"], sample_index=torch.arange(8))  # 8 noise levels
-    print(f"loss {loss.item():.3f} on {int(inputs['masked'].sum())} masked tokens")
+    loss, inputs = objective(model, batch["input_ids"], sample_index=torch.arange(8))  # t in 8 strata of [0, 1)
+    print(f"NELBO {loss.item():.3f} nats per token ({int(inputs['masked'].sum())} of "
+          f"{int(inputs['supervised'].sum())} tokens masked)")
 
     model.eval()
     prompt = tokenizer(args.prompt, return_tensors="pt")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from . import __version__
@@ -23,8 +24,28 @@ COMMANDS = {
 }
 
 
+DEBUG_ENV = "HF_DLM_DEBUG"
+
+
+def _user_errors() -> tuple:
+    """Exceptions that mean a mistake in the command line, a config or an input file (their messages name
+    the file, field or value): shown as one line and exit status 2, unless debugging."""
+    import zlib
+
+    errors = [ValueError, OSError, EOFError, ImportError, zlib.error]
+    try:
+        from safetensors import SafetensorError
+
+        errors.append(SafetensorError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     parser = argparse.ArgumentParser(prog="hf-dlm", description="Diffusion language models on the HF stack")
     parser.add_argument("--version", action="version", version=f"hf-dlm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -39,14 +60,28 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         parser.error(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}")
     module = importlib.import_module(f"hf_dlm.commands.{name}")
-    command_parser = argparse.ArgumentParser(prog=f"hf-dlm {name}", description=COMMANDS[name])
+    command_parser = argparse.ArgumentParser(
+        prog=f"hf-dlm {name}", description=COMMANDS[name],
+        epilog=f"--debug (or {DEBUG_ENV}=1) shows the traceback of an error")
     module.add_arguments(command_parser)
     if getattr(module, "PASS_THROUGH", False):  # the command parses its own flags (e.g. trl's TrlParser)
         args, rest = command_parser.parse_known_args(argv[1:])
         args.options = rest
     else:
         args = command_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    if debug:
+        return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except SystemExit as exit_:
+        if isinstance(exit_.code, str):  # raise SystemExit("hf-dlm ...: message")
+            print(exit_.code, file=sys.stderr)
+            return 2
+        raise
+    except _user_errors() as error:
+        message = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+        print(f"hf-dlm {name}: {message} (--debug for the traceback)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

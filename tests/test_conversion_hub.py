@@ -111,7 +111,7 @@ def test_prepare_folder_and_push_with_mocked_hub(tmp_path, monkeypatch):
     (_, repo, create_kwargs), (_, repo2, files, meta, text, upload_kwargs) = calls
     assert repo == repo2 == "user/tiny-dlm" and create_kwargs["private"] is True
     assert {"config.json", "model.safetensors", "configuration_dlm.py", "modeling_dlm.py", "README.md"} <= set(files)
-    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "fill-mask"
     assert meta["base_model"] == "Qwen/Qwen3-0.6B" and "custom_code" in meta["tags"]
     assert "## Training details" in text and "3e-4" in text.replace("0.0003", "3e-4")
     assert "trust_remote_code=True" in text and '"user/tiny-dlm"' in text
@@ -142,7 +142,9 @@ def test_prepare_folder_and_push_with_mocked_hub(tmp_path, monkeypatch):
     import pytest
 
     with pytest.raises(SystemExit, match="push-to-hub"):
-        cli_main(["convert", "--to", "megatron", str(folder), str(tmp_path / "mega"), "--push-to-hub", "user/m"])
+        cli_main(["convert", "--to", "megatron", str(folder), str(tmp_path / "mega"), "--push-to-hub", "user/m",
+                  "--debug"])
+    assert cli_main(["convert", "--to", "megatron", str(folder), str(tmp_path / "mega"), "--push-to-hub", "user/m"]) == 2
     assert not (tmp_path / "mega").exists()
 
 

@@ -161,7 +161,7 @@ def test_cli_with_two_workers_matches_one_and_refuses_to_overwrite(tmp_path, tok
     assert f"documents: {2 * len(DOCS)}" in out and "tokens/s:" in out
     assert files_of(tmp_path / "one") == files_of(tmp_path / "two")
     before = files_of(tmp_path / "one")
-    assert cli_main(base + ["--output-prefix", str(tmp_path / "one"), "--append-eod"]) == 1
+    assert cli_main(base + ["--output-prefix", str(tmp_path / "one"), "--append-eod"]) == 2  # a user mistake: exit status 2
     assert "already exists" in capsys.readouterr().err and files_of(tmp_path / "one") == before
     assert cli_main(base + ["--output-prefix", str(tmp_path / "one"), "--append-eod", "--overwrite"]) == 0
     assert files_of(tmp_path / "one") != before and not leftovers(tmp_path)

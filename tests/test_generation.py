@@ -127,7 +127,8 @@ def test_eos_finishes_a_row_fills_its_tail_and_drops_it_from_the_forward_batch()
     def script(ids):
         return torch.stack([tables[int(row[0])][: ids.shape[1]] for row in ids])
     model = ScriptedModel(script, eos_token_id=EOS)
-    kwargs = dict(max_new_tokens=8, block_length=4, steps=8, temperature=0.0, return_dict_in_generate=True)
+    kwargs = dict(max_new_tokens=8, block_length=4, steps=8, temperature=0.0, return_dict_in_generate=True,
+                  stop_on_eos=True)
     out = model.generate(torch.tensor([[1], [2]]), **kwargs)
     assert out.sequences[0, 1:].tolist() == [7, 8, EOS, EOS] + [EOS] * 4
     assert out.sequences[1, 1:].tolist() == completions[2]
@@ -135,7 +136,8 @@ def test_eos_finishes_a_row_fills_its_tail_and_drops_it_from_the_forward_batch()
     for row in (0, 1):  # unchanged: equal to generating the row alone
         alone = model.generate(torch.tensor([[row + 1]]), **kwargs).sequences
         assert torch.equal(alone[0], out.sequences[row])
-    kept = model.generate(torch.tensor([[1], [2]]), stop_on_eos=False, **kwargs)
+    kwargs.pop("stop_on_eos")  # the default (LLaDA's reference sampler) keeps decoding after an EOS block
+    kept = model.generate(torch.tensor([[1], [2]]), **kwargs)
     assert kept.forward_batch_sizes == [2] * 8 and kept.sequences[0, 5:].tolist() == [9, 9, 9, 9]
 
 

@@ -5,6 +5,7 @@ import torch
 
 from hf_dlm import MaskedDiffusionObjective
 from hf_dlm.training.elbo import elbo_nll
+from hf_dlm.training.objective import NORMALIZATIONS
 from hf_dlm.training.noise import hashed_uniform
 
 from .conftest import MASK_ID, VOCAB, tiny_model
@@ -57,7 +58,10 @@ def test_cosine_schedule_weight_is_minus_alpha_prime_over_one_minus_alpha():
 def test_normalisations_and_measured_weighting():
     index = torch.arange(4)
     token = _objective(normalization="token", weighting="uniform").corrupt(IDS, index)
-    assert token["num_items_in_batch"] == int(token["masked"].sum())
+    assert token["num_items_in_batch"] == 40  # every real token, masked or not
+    masked = _objective(normalization="masked", weighting="uniform").corrupt(IDS, index)
+    assert masked["num_items_in_batch"] == int(masked["masked"].sum())
+    assert _objective(normalization="sample").corrupt(IDS, index)["num_items_in_batch"] == 4
     measured = _objective(weighting="measured").corrupt(IDS, index)
     k = measured["masked"].sum(1).clamp(min=1).float()
     expected = torch.where(measured["masked"], (10 / k).unsqueeze(1), 0.0)
@@ -80,17 +84,25 @@ def test_prompt_and_padding_are_never_masked():
     assert out["masked"][:, 3:8].all()  # t >= 0.99 masks nearly everything maskable
 
 
-def test_antithetic_t_is_evenly_spread_within_a_group():
-    objective = _objective(t_sampling="antithetic", antithetic_group_size=8, eps=0.0)
-    t = objective.sample_t(torch.arange(16))
-    first = torch.sort(t[:8]).values
-    torch.testing.assert_close(first[1:] - first[:-1], torch.full((7,), 1 / 8), rtol=0, atol=1e-6)
-    assert not torch.allclose(t[:8], t[8:])
+def test_antithetic_t_is_mdlm_stratified_over_the_batch():
+    """MDLM `_sample_t`: t_j = eps + (1 - eps)((u_j / n + j / n) mod 1), one stratum of width 1/n per sample."""
+    objective = _objective(t_sampling="antithetic", eps=1e-3)
+    index = torch.tensor([7, 3, 5, 11, 2, 9])  # slots follow the order of the keys: 3, 1, 2, 5, 0, 4
+    t = objective.sample_t(index)
+    slot = torch.tensor([3, 1, 2, 5, 0, 4])
+    expected = 1e-3 + (1 - 1e-3) * ((hashed_uniform(0, 0, index) / 6 + slot / 6) % 1)
+    torch.testing.assert_close(t, expected)
+    # the whole range is covered by any batch: every stratum [j/6, (j+1)/6) holds exactly one sample
+    strata = ((t - 1e-3) / (1 - 1e-3) * 6).floor().long()
+    assert sorted(strata.tolist()) == list(range(6))
+    # a group given explicitly (the trainer's global batch of 12): the same sample, another stratum
+    wide = objective.sample_t(index, slot=slot + 6, group_size=12)
+    torch.testing.assert_close(wide, 1e-3 + (1 - 1e-3) * (hashed_uniform(0, 0, index) + slot + 6) / 12)
 
 
 def test_at_least_one_masked():
     class TinyT(MaskedDiffusionObjective):
-        def sample_t(self, sample_index):
+        def sample_t(self, sample_index, slot=None, group_size=None):
             return torch.full(sample_index.shape, 1e-9)
 
     out = TinyT(mask_token_id=MASK_ID, at_least_one_masked=True).corrupt(IDS, torch.arange(4))
@@ -129,11 +141,12 @@ def test_ar_mode_is_next_token_cross_entropy():
 
 
 def test_same_noise_whatever_the_micro_batch_or_rank_split():
-    objective = _objective(t_sampling="antithetic", antithetic_group_size=4)
+    objective = _objective(t_sampling="antithetic")
     index = torch.arange(100, 104)
     whole = objective.corrupt(IDS, index)
-    halves = [objective.corrupt(IDS[s], index[s]) for s in (slice(0, 2), slice(2, 4))]
-    ranks = [objective.corrupt(IDS[r::2], index[r::2]) for r in (0, 1)]
+    slots = torch.arange(4)  # places in the global batch, as DLMTrainer passes them
+    halves = [objective.corrupt(IDS[s], index[s], t_slot=slots[s], t_group_size=4) for s in (slice(0, 2), slice(2, 4))]
+    ranks = [objective.corrupt(IDS[r::2], index[r::2], t_slot=slots[r::2], t_group_size=4) for r in (0, 1)]
     for key in ("input_ids", "labels", "label_weights"):
         assert torch.equal(whole[key], torch.cat([h[key] for h in halves]))
         interleaved = torch.stack([ranks[0][key], ranks[1][key]], 1).flatten(0, 1)
@@ -142,7 +155,7 @@ def test_same_noise_whatever_the_micro_batch_or_rank_split():
 
 def test_micro_batches_with_the_global_normaliser_sum_to_the_full_batch_loss():
     model = tiny_model()
-    objective = _objective(normalization="token")
+    objective = _objective(normalization="masked")
     index = torch.arange(4)
     full, inputs = objective(model, IDS, index)
     total = inputs["num_items_in_batch"]
@@ -209,12 +222,13 @@ def test_bad_options_name_the_field():
 def test_weighted_loss_of_a_uniform_model_by_hand():
     """Every logit 0, so each masked token costs log V. Two rows of 10, t forced to 0.25 and 0.5, and
     uniforms chosen so row 0 masks 2 tokens and row 1 masks 3. Then LLaDA's loss (batch) is
-    (2 * 4 + 3 * 2) log V / (2 * 10), token normalisation divides the same sum by 5, uniform weighting
-    with token normalisation gives log V, sequence normalisation (4 * 2 / 10 + 2 * 3 / 10) log V / 2,
-    measured weighting (10/2 * 2 + 10/3 * 3) log V / 20."""
+    (2 * 4 + 3 * 2) log V / (2 * 10); token normalisation (the NELBO per token) divides the same sum by
+    the 20 real tokens, masked normalisation by the 5 masked ones, sample normalisation by the 2 rows;
+    uniform weighting with masked normalisation gives log V, sequence normalisation
+    (4 * 2 / 10 + 2 * 3 / 10) log V / 2, measured weighting (10/2 * 2 + 10/3 * 3) log V / 20."""
 
     class Forced(MaskedDiffusionObjective):
-        def sample_t(self, sample_index):
+        def sample_t(self, sample_index, slot=None, group_size=None):
             return torch.tensor([0.25, 0.5])
 
         def sample_mask_uniforms(self, sample_index, positions):
@@ -226,8 +240,9 @@ def test_weighted_loss_of_a_uniform_model_by_hand():
     model = tiny_model()
     torch.nn.init.zeros_(model.lm_head.weight)
     log_v = math.log(VOCAB)
-    cases = (({}, 14 * log_v / 20), ({"normalization": "token"}, 14 * log_v / 5),
-             ({"normalization": "token", "weighting": "uniform"}, log_v),
+    cases = (({}, 14 * log_v / 20), ({"normalization": "token"}, 14 * log_v / 20),
+             ({"normalization": "masked"}, 14 * log_v / 5), ({"normalization": "sample"}, 14 * log_v / 2),
+             ({"normalization": "masked", "weighting": "uniform"}, log_v),
              ({"normalization": "sequence"}, (0.8 + 0.6) * log_v / 2),
              ({"weighting": "measured"}, 20 * log_v / 20))
     for options, expected in cases:
@@ -238,9 +253,9 @@ def test_weighted_loss_of_a_uniform_model_by_hand():
 
 def test_nothing_masked_gives_zero_loss_not_nan():
     class TinyT(MaskedDiffusionObjective):
-        def sample_t(self, sample_index):
+        def sample_t(self, sample_index, slot=None, group_size=None):
             return torch.full(sample_index.shape, 1e-9)
 
-    for normalization in ("token", "sequence", "batch"):
+    for normalization in NORMALIZATIONS:
         loss, inputs = TinyT(mask_token_id=MASK_ID, normalization=normalization)(tiny_model(), IDS, torch.arange(4))
         assert not inputs["masked"].any() and loss.item() == 0.0, normalization

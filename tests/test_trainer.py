@@ -57,17 +57,20 @@ def test_interrupted_save_leaves_the_previous_checkpoint_loadable(straight_run, 
     assert not os.path.exists(tmp_path / STAGING_DIR)  # the stale partial save was replaced and published
 
 
-@pytest.mark.parametrize("preset,normalization", [("mdlm", "token"), ("llada", "batch"), ("llada", "sequence")])
+@pytest.mark.parametrize("preset,normalization", [("mdlm", "token"), ("mdlm", "masked"), ("llada", "batch"),
+                                                  ("llada", "sequence")])
 def test_gradient_accumulation_4x1_equals_1x4(tmp_path, preset, normalization):
     runs = []
     for batch, accumulation in ((1, 4), (4, 1)):
         trainer = make_trainer(tmp_path / f"{batch}x{accumulation}", per_device_train_batch_size=batch,
                                gradient_accumulation_steps=accumulation, max_steps=1, optim="sgd",
                                max_grad_norm=0.0, objective_preset=preset, normalization=normalization,
-                               random_length_prob=0.0)
+                               random_length_prob=0.0, warmup_steps=0, lr_scheduler_type="constant")
         trainer.train()
         runs.append(trainer)
     accumulated, whole = runs
+    assert whole.state.log_history[0]["learning_rate"] > 0  # the compared step moves the parameters
+    assert not torch.equal(flat_params(whole.model), flat_params(make_trainer(tmp_path / "init").model))
     assert accumulated.sample_indices == whole.sample_indices
     assert math.isclose(accumulated.step_losses[0], whole.step_losses[0], rel_tol=1e-6)
     assert math.isclose(accumulated.state.log_history[0]["loss"], whole.state.log_history[0]["loss"], rel_tol=1e-6)
@@ -136,6 +139,10 @@ def test_stream_dataset_resumes_from_its_saved_position(tmp_path):
     assert torch.load(tmp_path / "split" / "checkpoint-3" / DATA_STATE_NAME.format(rank=0)) == {"consumed_samples": 6}
     resumed = run(tmp_path / "split", resume=True, seed=1)
     assert first.sample_indices + resumed.sample_indices == straight.sample_indices == list(range(12))
+    # `epoch` counts passes over the 10 windows (the Trainer alone would count fractions of max_steps)
+    epochs = [log["epoch"] for log in straight.state.log_history if "loss" in log]
+    assert epochs == [0.2, 0.4, 0.6, 0.8, 1.0, 1.2]
+    assert [log["epoch"] for log in resumed.state.log_history if "loss" in log][-1] == 1.2
     torch.testing.assert_close(torch.tensor(first.step_losses + resumed.step_losses),
                                torch.tensor(straight.step_losses), rtol=0, atol=1e-6)
     torch.testing.assert_close(flat_params(resumed.model), flat_params(straight.model), rtol=0, atol=1e-6)

@@ -32,9 +32,9 @@ class RecordingTrainer(DLMTrainer):
         self.batches.append(batches)
         return batches, num_items
 
-    def _corrupt(self, batch, device):
+    def _corrupt(self, batch, device, t_group=None):
         self.sample_indices.extend(int(i) for i in batch["sample_index"])
-        return super()._corrupt(batch, device)
+        return super()._corrupt(batch, device, t_group)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)

@@ -51,6 +51,9 @@ def run(args) -> int:
 
     from ..modeling.generation_config import DLM_GENERATION_FIELDS
 
+    from ..utils.paths import check_model_location
+
+    args.model = check_model_location(args.model, "--model")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if args.chat and not getattr(tokenizer, "chat_template", None):
         print(f"hf-dlm generate: --chat needs a chat template, but the tokenizer of {args.model!r} has none "

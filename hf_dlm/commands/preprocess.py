@@ -33,6 +33,6 @@ def run(args) -> int:
         report = preprocess(config)
     except (PreprocessError, FileExistsError, FileNotFoundError) as error:
         print(f"hf-dlm preprocess: error: {error}", file=sys.stderr)
-        return 1
+        return 2
     print(report)
     return 0

@@ -11,8 +11,10 @@ def add_arguments(parser):
 
     for field in dataclasses.fields(QuickstartConfig):
         kind = float if field.type in ("float",) else int if field.type in ("int", "int | None") else str
+        help_text = ("wall-clock bound of the whole command: training gets what corpus, evaluation, save and "
+                     "sample leave; " if field.name == "max_seconds" else "")
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default,
-                            help=f"(default: {field.default})")
+                            help=f"{help_text}(default: {field.default})")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line at the end")
 
 

@@ -23,6 +23,10 @@ def add_arguments(parser):
 
 def run(args) -> int:
     from ..conversion.verify import verify_checkpoints
+    from ..utils.paths import check_model_location
+
+    args.source = check_model_location(args.source, "source")
+    args.candidate = check_model_location(args.candidate, "candidate")
 
     result = verify_checkpoints(
         args.source, args.candidate, dtype=args.dtype, batch_size=args.batch_size, seq_len=args.seq_len,

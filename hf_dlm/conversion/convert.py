@@ -61,6 +61,7 @@ def read_config_json(folder: str | os.PathLike) -> dict:
 
 def load_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a transformers-style checkpoint folder (safetensors or torch, sharded or not)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -78,10 +79,14 @@ def load_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
             path = folder / name
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: listed in {index_name} but missing")
-            if name.endswith(".safetensors"):
-                state_dict.update(load_file(path))
-            else:
-                state_dict.update(torch.load(path, map_location="cpu", weights_only=True))
+            try:
+                if name.endswith(".safetensors"):
+                    state_dict.update(load_file(path))
+                else:
+                    state_dict.update(torch.load(path, map_location="cpu", weights_only=True))
+            except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as error:
+                raise ValueError(f"{path}: cannot be read ({type(error).__name__}: {error}); the file is "
+                                 "truncated or corrupt") from None
         return state_dict
     raise FileNotFoundError(f"{folder}: no model.safetensors(.index.json) or pytorch_model.bin(.index.json)")
 
@@ -107,6 +112,30 @@ def build_dlm(config_options: dict, state_dict: dict[str, torch.Tensor], dtype: 
         if tensor.is_meta:
             raise RuntimeError(f"{source}: {name} was never loaded")
     return model.eval()
+
+
+# config.json `model_type` -> source family ("attn_mask_type" marks MegaDLMs' Qwen3-style DiffLM)
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llada": "llada",
+                "dream": "dream", "dlm": "dlm"}
+
+
+def detect_family(source: str | os.PathLike) -> str:
+    """The source family of a checkpoint folder: Megatron by its files, otherwise config.json's model_type."""
+    from .megatron import is_megatron_checkpoint
+
+    source = Path(source)
+    if not source.exists():
+        raise FileNotFoundError(f"{source}: no such checkpoint folder")
+    if not (source / "config.json").is_file() and is_megatron_checkpoint(source):
+        return "megatron"
+    config = read_config_json(source)
+    if "attn_mask_type" in config:
+        return "megadlms"
+    model_type = str(config.get("model_type", "")).lower()
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"{source / 'config.json'}: model_type {config.get('model_type')!r} is not a family hf-dlm "
+                         f"converts; supported: {sorted(set(_MODEL_TYPES.values()) | {'megadlms', 'megatron'})}")
+    return _MODEL_TYPES[model_type]
 
 
 def _load_tokenizer(folder: Path):
@@ -177,6 +206,12 @@ def load_as_dlm(family: str, source: str | os.PathLike, options: ConversionOptio
             record["mask_token"] = f"added id {mask_id}, embedding row = mean of the {trained_rows} trained rows"
         else:
             record["mask_token"] = f"the tokenizer's own mask token, id {mask_id}"
+    if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        # AR tokenizers often have no pad token; batched generation and SFT pad (left / right, always with
+        # an attention mask, so the id is never attended to): the EOS token, as transformers users do
+        tokenizer.pad_token = tokenizer.eos_token
+        record["pad_token"] = f"none in the source: the EOS token {tokenizer.eos_token!r} (id {tokenizer.pad_token_id})"
+        config_options["pad_token_id"] = tokenizer.pad_token_id
     if tokenizer is not None:
         for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
             if config_options.get(name) is None and getattr(tokenizer, name, None) is not None:
@@ -202,14 +237,25 @@ def convert_checkpoint(
     to: str = "dlm",
     overwrite: bool = False,
 ) -> Path:
-    """Convert `source` (a `family` checkpoint) into `destination`, as an hf-dlm folder (`to="dlm"`),
-    a Megatron checkpoint (`to="megatron"`) or, for an MoE model, a Qwen3-MoE folder (`to="qwen3_moe"`)."""
+    """Convert `source` (a `family` checkpoint; None: read from its files, see `detect_family`) into
+    `destination`, as an hf-dlm folder (`to="dlm"`), a Megatron checkpoint (`to="megatron"`) or, for an MoE
+    model, a Qwen3-MoE folder (`to="qwen3_moe"`). A family that contradicts the checkpoint's config.json is
+    an error."""
     from .model_card import write_info, write_model_card
 
     if to not in TARGETS:  # before minutes of loading
         raise ValueError(f"unknown target {to!r}; choose from {TARGETS}")
     options = options or ConversionOptions()
     destination = Path(destination)
+    if destination.exists() and any(destination.iterdir()) and not overwrite:  # before minutes of loading
+        _prepare_output(destination, overwrite)
+    if family is None:
+        family = detect_family(source)
+    elif family not in ("megatron", "dlm") or (Path(source) / "config.json").is_file():
+        detected = detect_family(source)
+        if detected != family and {detected, family} != {"qwen3", "megadlms"}:
+            raise ValueError(f"{source}: --from {family}, but the checkpoint is a {detected!r} checkpoint "
+                             f"(config.json model_type); pass --from {detected} or leave --from out")
     model, tokenizer, copy_tokenizer_from, record = load_as_dlm(family, source, options)
     _prepare_output(destination, overwrite)
     if to == "megatron":
@@ -235,4 +281,4 @@ def convert_checkpoint(
 
 
 __all__ = ["SOURCES", "ConversionOptions", "load_state_dict", "read_config_json", "build_dlm", "load_as_dlm",
-           "convert_checkpoint"]
+           "convert_checkpoint", "detect_family"]

@@ -9,6 +9,7 @@ with `huggingface_hub`.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -43,10 +44,21 @@ def save_with_remote_code(model, transformers_save, save_directory, *args, **kwa
             remove_remote_code(save_directory)
         if not (Path(save_directory) / "README.md").exists():
             write_model_card(save_directory, model.config)
+        _default_file_modes(save_directory)
         if push:
             repo_id = hub_options.pop("repo_id", Path(save_directory).name)
             upload_folder(save_directory, repo_id, token=kwargs.get("token"), **hub_options)
     return result
+
+
+def _default_file_modes(folder) -> None:
+    """transformers writes weight shards through temporary files, which are created 0600: give the files
+    of a saved model the modes of ordinary files (0644 under umask 022), as `cp` or a Hub download would."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in Path(folder).iterdir():
+        if path.is_file() and not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o600:
+            os.chmod(path, 0o666 & ~umask)
 
 
 def prepare_hub_folder(

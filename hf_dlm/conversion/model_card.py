@@ -40,12 +40,14 @@ def build_model_card(
     info: dict | None = None,
     repo_id: str | None = None,
     license: str | None = None,
-    pipeline_tag: str = "text-generation",
+    pipeline_tag: str = "fill-mask",
     title: str | None = None,
     tags: list[str] | None = None,
 ):
     """A `huggingface_hub.ModelCard` for a DLM. `info` is the provenance file's content (conversion and
-    training records); explicit `base_model` / `training_details` take precedence over it."""
+    training records); explicit `base_model` / `training_details` take precedence over it. The default
+    `pipeline_tag` is "fill-mask": its pipeline loads through AutoModelForMaskedLM, which a DLM registers
+    ("text-generation" loads AutoModelForCausalLM and fails)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     info = dict(info or {})
@@ -80,8 +82,11 @@ def build_model_card(
         "hf-dlm installed:",
         "```python\nfrom transformers import AutoModelForMaskedLM, AutoTokenizer\n\n"
         f"model = AutoModelForMaskedLM.from_pretrained({json.dumps(repo_id or 'PATH')}, trust_remote_code=True)\n"
-        f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(repo_id or 'PATH')})\n"
-        "out = model.generate(**tokenizer(\"Hello\", return_tensors=\"pt\"), max_new_tokens=32, steps=32)\n```",
+        # without hf-dlm, AutoTokenizer reads config.json's unknown model_type "dlm" through its auto_map too
+        f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(repo_id or 'PATH')}, trust_remote_code=True)\n"
+        "prompt = tokenizer(\"Hello\", return_tensors=\"pt\")\n"
+        "out = model.generate(**prompt, max_new_tokens=32, steps=32)\n"
+        "print(tokenizer.decode(out[0, prompt[\"input_ids\"].shape[1]:], skip_special_tokens=True))\n```",
         "## Architecture\n\n" + _table(architecture),
     ]
     if base_model:

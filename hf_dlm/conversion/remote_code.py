@@ -234,6 +234,9 @@ def write_remote_code(save_directory: str | os.PathLike) -> list[str]:
         with tempfile.NamedTemporaryFile("w", dir=save_directory, suffix=".json", delete=False, encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(f.name, 0o666 & ~umask)  # a temporary file is 0600: the published config.json is not
         os.replace(f.name, config_path)
     return written
 

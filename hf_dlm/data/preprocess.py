@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gzip
+import zlib
 import io
 import itertools
 import json
@@ -116,7 +117,11 @@ def _read_chunks(path: str, config: PreprocessConfig) -> Iterator[tuple]:
         with _open_jsonl(path) as f:
             line = 1
             while True:
-                lines = list(itertools.islice(f, size))
+                try:
+                    lines = list(itertools.islice(f, size))
+                except (EOFError, OSError, zlib.error) as error:  # truncated or corrupt .gz / .zst
+                    raise PreprocessError(f"{path}: cannot be read past line {line} ({type(error).__name__}: "
+                                          f"{error}); the file is truncated or corrupt") from None
                 if not lines:
                     break
                 yield ("jsonl", path, line, lines)

@@ -19,7 +19,10 @@ DLM_GENERATION_FIELDS = {
                   "is >= threshold (at least the most confident one) until the block is done; steps is then ignored"),
     "cache": ("none", f"KV cache, one of {CACHE_MODES}; approximate for bidirectional models (Fast-dLLM), "
               "exact for attention_mode='block' models (prefix and dual mean the same there)"),
-    "stop_on_eos": (True, "a row whose last finished block is all EOS is done: its remaining masks become EOS"),
+    "stop_on_eos": (False, "opt-in early stop (changes outputs against LLaDA's reference sampler, which the default "
+                    "reproduces): after each block, a row whose decoded block ends in an EOS run (every token "
+                    "after the block's first EOS is EOS) is done: its remaining masks become EOS and it leaves "
+                    "the forward batch"),
     "mask_token_id": (None, "default: model.config.mask_token_id"),
     "compile": (None, "run the sampler's forward through torch.compile with static shapes (fixed batch, block-sized "
                 "windows): True (reduce-overhead = CUDA graphs on CUDA, default on CPU), a torch.compile mode "
@@ -29,16 +32,38 @@ DLM_GENERATION_FIELDS = {
 }
 
 
+# transformers generation options a diffusion sampler cannot honour: name -> the value that means "off"
+UNSUPPORTED = {
+    "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "length_penalty": 1.0, "early_stopping": False,
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None, "constraints": None,
+    "sequence_bias": None, "penalty_alpha": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "min_p": None, "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None, "guidance_scale": None, "stop_strings": None,
+    "output_scores": False, "output_logits": False, "output_attentions": False, "output_hidden_states": False,
+    "prompt_lookup_num_tokens": None, "assistant_early_exit": None, "watermarking_config": None,
+    "max_time": None,
+}
+# generate() keywords that are not GenerationConfig fields but come from transformers callers: a tokenizer
+# (for stop strings, unsupported anyway), compile switches, and `model.generate(**tokenizer(...))`'s
+# token_type_ids (a DLM has no token types); accepted and not used
+EXTRA_GENERATE_KWARGS = ("tokenizer", "disable_compile", "token_type_ids")
+
+
 class DLMGenerationConfig(GenerationConfig):
-    """GenerationConfig plus the diffusion fields (`DLM_GENERATION_FIELDS`). Sampling fields that keep
-    their transformers meaning: max_new_tokens, temperature (0 = argmax, else Gumbel-max in float64),
-    top_k, top_p, eos_token_id, pad_token_id."""
+    """GenerationConfig plus the diffusion fields (`DLM_GENERATION_FIELDS`). Fields that keep their
+    transformers meaning: max_new_tokens (default 64), max_length (prompt + new tokens, when
+    max_new_tokens is not set), do_sample (False: greedy, whatever the temperature), temperature
+    (sampling: Gumbel-max in float64; 0 = greedy), top_k, top_p, num_return_sequences, eos_token_id (an
+    id or a list), pad_token_id, return_dict_in_generate. The options in `UNSUPPORTED` raise a ValueError
+    unless left at their "off" value. Passing a temperature without do_sample turns sampling on (off for 0)."""
 
     def __init__(self, **kwargs):
         for name, (default, _) in DLM_GENERATION_FIELDS.items():
             setattr(self, name, kwargs.pop(name, default))
         # transformers rejects a temperature without do_sample: temperature 0 is stored as greedy
-        if kwargs.get("temperature") is not None:
+        if kwargs.get("temperature") is not None and "do_sample" not in kwargs:
             if float(kwargs["temperature"]) == 0.0:
                 kwargs["temperature"], kwargs["do_sample"] = None, False
             else:
@@ -47,31 +72,60 @@ class DLMGenerationConfig(GenerationConfig):
 
     @property
     def sampling_temperature(self) -> float:
-        """0 means argmax (greedy)."""
+        """0 means argmax (greedy): do_sample=False is greedy whatever the temperature."""
         return float(self.temperature or 0.0) if self.do_sample else 0.0
 
     @classmethod
-    def from_any(cls, config: GenerationConfig | None, **overrides) -> "DLMGenerationConfig":
+    def from_any(cls, config: GenerationConfig | None, validate: bool = True, **overrides) -> "DLMGenerationConfig":
         """A DLMGenerationConfig from a plain GenerationConfig (as `from_pretrained` loads it: the
         diffusion keys survive there as extra attributes) with keyword overrides on top."""
         values = {} if config is None else config.to_dict()
+        if "temperature" in overrides and "do_sample" not in overrides:
+            values.pop("do_sample", None)  # a temperature passed alone decides (see the class docstring)
         values.update({k: v for k, v in overrides.items() if v is not None or k in DLM_GENERATION_FIELDS})
         for key in ("transformers_version", "_from_model_config"):
             values.pop(key, None)
         out = cls(**values)
-        out.validate_dlm()
+        if validate:
+            out.validate_dlm()
         return out
 
     def validate_dlm(self):
+        """Raise a ValueError naming every option out of range or not supported by a diffusion sampler."""
+        def fail(name, expected):
+            raise ValueError(f"DLMGenerationConfig.{name} must be {expected}, got {getattr(self, name)!r}")
+
+        unsupported = [f"{name}={getattr(self, name)!r}" for name, off in UNSUPPORTED.items()
+                       if getattr(self, name, None) not in (off, None)]
+        if unsupported:
+            raise ValueError(f"generate: not supported by the diffusion sampler: {', '.join(unsupported)} "
+                             f"(leave them at their defaults)")
         if self.remasking not in REMASKING:
-            raise ValueError(f"DLMGenerationConfig.remasking must be one of {REMASKING}, got {self.remasking!r}")
+            fail("remasking", f"one of {REMASKING}")
         if self.cache not in CACHE_MODES:
-            raise ValueError(f"DLMGenerationConfig.cache must be one of {CACHE_MODES}, got {self.cache!r}")
+            fail("cache", f"one of {CACHE_MODES}")
         if self.compile not in (None, True, False) and self.compile not in COMPILE_CHOICES:
-            raise ValueError(f"DLMGenerationConfig.compile must be a bool or one of {tuple(COMPILE_CHOICES)}, "
-                             f"got {self.compile!r}")
+            fail("compile", f"a bool or one of {tuple(COMPILE_CHOICES)}")
         if self.threshold is not None and not 0.0 <= float(self.threshold) <= 1.0:
-            raise ValueError(f"DLMGenerationConfig.threshold must lie in [0, 1], got {self.threshold}")
+            fail("threshold", "in [0, 1]")
+        for name in ("steps", "block_length", "max_new_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                fail(name, "an integer >= 1")
+        if self.num_return_sequences is not None and (not isinstance(self.num_return_sequences, int)
+                                                      or self.num_return_sequences < 1):
+            fail("num_return_sequences", "an integer >= 1")
+        if self.temperature is not None and float(self.temperature) < 0:
+            fail("temperature", ">= 0")
+        if self.top_p is not None and not 0.0 < float(self.top_p) <= 1.0:
+            fail("top_p", "in (0, 1]")
+        if self.top_k is not None and int(self.top_k) < 0:
+            fail("top_k", ">= 0")
+        if float(self.cfg_scale or 0.0) < 0:
+            fail("cfg_scale", ">= 0")
+        if (self.num_return_sequences or 1) > 1 and not self.do_sample:
+            raise ValueError(f"DLMGenerationConfig.num_return_sequences={self.num_return_sequences} needs "
+                             "do_sample=True (greedy decoding would return identical copies), as in transformers")
 
 
-__all__ = ["DLMGenerationConfig", "DLM_GENERATION_FIELDS"]
+__all__ = ["DLMGenerationConfig", "DLM_GENERATION_FIELDS", "UNSUPPORTED"]

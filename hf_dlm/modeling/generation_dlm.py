@@ -39,11 +39,12 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
 from .generation_cache import DLMKVCache
 from .generation_compile import MAX_COMPILED_GRAPHS, CapturedStep, compiled_forward, resolve_compile, static_forward
-from .generation_config import DLMGenerationConfig
+from .generation_config import DLM_GENERATION_FIELDS, EXTRA_GENERATE_KWARGS, DLMGenerationConfig
 from .generation_sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
                                   num_transfer_tokens, select_commits)
 
@@ -59,26 +60,92 @@ class DLMGenerateOutput(ModelOutput):
 
 class DLMGenerationMixin:
     """Adds `generate` to DLM models (named *GenerationMixin so transformers gives them a
-    `generation_config`)."""
+    `generation_config`, which is always a `DLMGenerationConfig`: saved with its diffusion fields)."""
+
+    @property
+    def generation_config(self):
+        return self.__dict__.get("_dlm_generation_config")
+
+    @generation_config.setter
+    def generation_config(self, value):
+        # transformers (and from_pretrained) assign plain GenerationConfigs: keep the diffusion fields
+        if value is not None and not isinstance(value, DLMGenerationConfig):
+            value = DLMGenerationConfig.from_any(value, validate=False)
+        self.__dict__["_dlm_generation_config"] = value
+
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                             cache_dir=None, force_download=False, proxies=None, local_files_only=False, token=None,
+                             revision=None, subfolder="", trust_remote_code=None, **kwargs):
+        """Called by `from_pretrained` (transformers' GenerationMixin hook): the checkpoint's
+        generation_config.json, else the one built from the model config; `generation_config=` wins."""
+        if generation_config is not None:
+            self.generation_config = generation_config
+            return
+        if pretrained_model_name_or_path is None:
+            return
+        try:
+            self.generation_config = GenerationConfig.from_pretrained(
+                pretrained_model_name_or_path, cache_dir=cache_dir, force_download=force_download, proxies=proxies,
+                local_files_only=local_files_only, token=token, revision=revision, subfolder=subfolder,
+                _from_auto=from_auto_class, _from_pipeline=from_pipeline)
+        except OSError:
+            pass  # no generation_config.json: keep the one built from the model config
 
     @torch.no_grad()
     def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                  generation_config=None, streamer=None, callback=None, generator: torch.Generator | None = None,
                  **kwargs):
-        """Prompt (B, P), left-padded with `attention_mask` for mixed lengths -> sequences (B, P + N), or a
-        `DLMGenerateOutput` with `return_dict_in_generate=True`.
+        """Prompt (B, P), left-padded with `attention_mask` for mixed lengths -> sequences
+        (B * num_return_sequences, P + N), or a `DLMGenerateOutput` with `return_dict_in_generate=True`.
 
         kwargs override `generation_config` (default: `model.generation_config`) fields, see
-        `DLMGenerationConfig`. streamer: a transformers streamer (`put` / `end`, batch 1) that receives
+        `DLMGenerationConfig`; an unknown keyword or an option the sampler cannot honour raises a
+        ValueError naming it. streamer: a transformers streamer (`put` / `end`, batch 1) that receives
         the prompt, then the completion's committed left-to-right prefix as it grows. callback:
         `callback(canvas=(B, P + N) tensor, step=int, block=int)` after every forward pass (read-only
         canvas, for UIs that show intermediate states). generator: seeds Gumbel and random remasking."""
-        config = DLMGenerationConfig.from_any(generation_config or getattr(self, "generation_config", None), **kwargs)
+        base = generation_config if generation_config is not None else self.generation_config
+        unknown = sorted(set(kwargs) - _known_generate_kwargs() - set(base.to_dict() if base is not None else ()))
+        if unknown:
+            raise ValueError(f"generate: unknown keyword argument(s) {unknown}; see DLMGenerationConfig "
+                             "(hf_dlm/modeling/generation_config.py) for the supported options")
+        for name in EXTRA_GENERATE_KWARGS:
+            kwargs.pop(name, None)
+        config = DLMGenerationConfig.from_any(base, **kwargs)
+        config.max_new_tokens = _resolve_new_tokens(self, config, input_ids.shape[1], "max_length" in kwargs)
+        copies = config.num_return_sequences or 1
+        if copies > 1:  # transformers' order: the copies of a prompt are adjacent
+            input_ids = input_ids.repeat_interleave(copies, dim=0)
+            if attention_mask is not None:
+                attention_mask = attention_mask.repeat_interleave(copies, dim=0)
         sampler = DiffusionSampler(self, config, generator)
         sequences = sampler.run(input_ids, attention_mask, streamer, callback)
         if config.return_dict_in_generate:
             return DLMGenerateOutput(sequences=sequences, forward_batch_sizes=sampler.forward_batch_sizes)
         return sequences
+
+
+def _known_generate_kwargs() -> set:
+    return set(GenerationConfig().to_dict()) | set(DLM_GENERATION_FIELDS) | set(EXTRA_GENERATE_KWARGS)
+
+
+def _resolve_new_tokens(model, config: DLMGenerationConfig, prompt_length: int, max_length_given: bool) -> int:
+    """max_new_tokens, else max_length - prompt length when max_length was asked for (transformers'
+    default of 20 is not taken as a request), else 64; the canvas must fit the model's positions."""
+    if config.max_new_tokens is not None:
+        new_tokens = config.max_new_tokens
+    elif max_length_given or config.max_length not in (None, GenerationConfig().max_length or 20):
+        new_tokens = int(config.max_length) - prompt_length
+        if new_tokens < 1:
+            raise ValueError(f"generate: max_length={config.max_length} leaves no room after the prompt of "
+                             f"{prompt_length} tokens; raise max_length or set max_new_tokens")
+    else:
+        new_tokens = 64
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is not None and prompt_length + new_tokens > limit:
+        raise ValueError(f"generate: prompt ({prompt_length} tokens) + max_new_tokens ({new_tokens}) = "
+                         f"{prompt_length + new_tokens} exceeds the model's max_position_embeddings ({limit})")
+    return new_tokens
 
 
 class DiffusionSampler:

@@ -19,41 +19,54 @@ from .noise import hashed_uniform
 SCHEDULES = ("linear", "cosine")
 WEIGHTINGS = ("elbo", "measured", "uniform")
 T_SAMPLINGS = ("uniform", "antithetic")
-NORMALIZATIONS = ("token", "sequence", "batch")
+NORMALIZATIONS = ("token", "masked", "sequence", "sample", "batch")
 MODES = ("diffusion", "ar")
 
 # random streams of hashed_uniform
 _T, _MASK, _CUT, _CUT_LENGTH = 0, 1, 2, 3
 
 PRESETS = {
-    # LLaDA pretraining: t ~ U[eps, 1), weight 1/t, loss / (B * L)
+    # LLaDA pretraining (ML-GSAI/LLaDA GUIDELINES.md): t ~ U[eps, 1), CE / p_mask, sum / (B * L), 1% of the
+    # data at a random length. (LLaDA SFT is normalization="sequence": CE / p_mask / answer length, / B.)
     "llada": dict(schedule="linear", weighting="elbo", t_sampling="uniform", eps=1e-3, normalization="batch",
                   random_length_prob=0.01),
-    # MDLM: antithetic t, continuous-time ELBO weight, mean over supervised tokens
+    # MDLM (kuleshov-group/mdlm diffusion.py `_sample_t`, `_loss`): antithetic (stratified) t over the
+    # batch, weight 1/t, the weighted CE of masked tokens summed and divided by the number of real tokens:
+    # the NELBO per token (also dllm's default "token" mode and NeMo Automodel's MDLM loss)
     "mdlm": dict(schedule="linear", weighting="elbo", t_sampling="antithetic", eps=1e-3, normalization="token"),
-    # MegaDLMs: weight by the measured masked fraction, no eps, at least one masked token, 1% random lengths
+    # MegaDLMs (the seed system's masked-diffusion loss): weight by the measured masked fraction (l / k per
+    # row), no eps, at least one masked token, 1% random lengths, sum / (B * L)
     "megadlms": dict(schedule="linear", weighting="measured", t_sampling="uniform", eps=0.0, normalization="batch",
                      at_least_one_masked=True, random_length_prob=0.01),
-    # autoregressive LM: causal attention, next-token CE on every token
+    # autoregressive LM (MegaDLMs' AR mode): causal attention, next-token CE averaged over every real token
     "ar": dict(mode="ar", normalization="token"),
 }
+
+# extra keys of `corrupt`'s result that are not model inputs
+CORRUPT_EXTRAS = ("t", "masked", "supervised")
 
 
 @dataclass
 class MaskedDiffusionObjective:
-    """Options of the objective (see ../shared REFERENCE §1 for where each convention comes from).
+    """Options of the objective (see ../shared REFERENCE §1 and `PRESETS` for where each convention comes from).
 
     mask_token_id: the absorbing state. schedule: alpha(t) = 1 - t ("linear") or cos(pi t / 2)
     ("cosine"); a token is masked with probability 1 - alpha(t). weighting: "elbo" (-alpha'/(1-alpha),
     1/t for linear), "measured" (maskable / masked count of the row, MegaDLMs) or "uniform".
-    t_sampling: "uniform" (t ~ U[eps, 1)) or "antithetic" (t = eps + (1-eps)((u + j/G) mod 1) within
-    groups of `antithetic_group_size` consecutive global sample indices). normalization: "batch"
-    (divide by B * L, LLaDA pretraining), "token" (by the number of supervised tokens) or "sequence"
-    (each row by its maskable length, then mean over rows: LLaDA SFT). label_alignment: "same" or
-    "shift" (logits at i-1 predict token i; position 0 is then never masked).
-    at_least_one_masked: force one masked token in every row that has maskable tokens.
-    random_length_prob: each sample is cut, with this probability, to a random length in [2, L] (by
-    the attention mask, per sample, so the cut is independent of the batch layout too).
+    t_sampling: "uniform" (t ~ U[eps, 1)) or "antithetic" (MDLM's stratified draw over a group of G
+    samples: the one in slot j gets t = eps + (1 - eps)(j + u) / G with its own u; the group is the
+    batch passed to `corrupt`, or, under DLMTrainer, the optimizer step's global batch).
+    normalization (the divisor of the summed, weighted CE of the masked tokens):
+      "token": the number of supervised tokens (real, non-prompt; masked or not): the NELBO per token
+               (MDLM, dllm "token", NeMo Automodel);
+      "masked": the number of masked tokens;
+      "sequence": each row by its supervised length, then the mean over rows (LLaDA SFT, dllm "sequence");
+      "sample": the number of rows (dllm "batch");
+      "batch": B * L (LLaDA pretraining, MegaDLMs).
+    label_alignment: "same" or "shift" (logits at i-1 predict token i; position 0 is then never masked).
+    at_least_one_masked: force one masked token in every row that has maskable tokens (never a prompt
+    or padding token). random_length_prob: each sample is cut, with this probability, to a random length
+    in [2, L] (by the attention mask, per sample, so the cut is independent of the batch layout too).
     mode: "diffusion" or "ar" (next-token CE on every real token; the model must be causal).
     """
 
@@ -61,7 +74,6 @@ class MaskedDiffusionObjective:
     schedule: str = "linear"
     weighting: str = "elbo"
     t_sampling: str = "uniform"
-    antithetic_group_size: int = 64
     eps: float = 1e-3
     normalization: str = "batch"
     label_alignment: str = "same"
@@ -80,8 +92,6 @@ class MaskedDiffusionObjective:
             raise ValueError(f"MaskedDiffusionObjective.eps must lie in [0, 1), got {self.eps}")
         if not 0.0 <= self.random_length_prob <= 1.0:
             raise ValueError(f"MaskedDiffusionObjective.random_length_prob must lie in [0, 1], got {self.random_length_prob}")
-        if self.antithetic_group_size < 1:
-            raise ValueError("MaskedDiffusionObjective.antithetic_group_size must be positive")
         if self.mode == "diffusion" and self.mask_token_id is None:
             raise ValueError("MaskedDiffusionObjective.mask_token_id is required in diffusion mode")
 
@@ -121,13 +131,16 @@ class MaskedDiffusionObjective:
         half = math.pi * t / 2
         return (math.pi / 2) * torch.sin(half) / (1 - torch.cos(half))
 
-    def sample_t(self, sample_index: torch.Tensor) -> torch.Tensor:
-        if self.t_sampling == "uniform":
-            u = hashed_uniform(self.seed, _T, sample_index)
-        else:
-            group = torch.div(sample_index, self.antithetic_group_size, rounding_mode="floor")
-            offset = (sample_index % self.antithetic_group_size).float() / self.antithetic_group_size
-            u = torch.remainder(hashed_uniform(self.seed, _T, group) + offset, 1.0)
+    def sample_t(self, sample_index: torch.Tensor, slot: torch.Tensor | None = None,
+                 group_size: int | None = None) -> torch.Tensor:
+        """(B,) -> (B,) t in [eps, 1). Antithetic: `slot` (B,) is each sample's place in its group of
+        `group_size` (default: the batch itself, slots in the order of `sample_index`)."""
+        u = hashed_uniform(self.seed, _T, sample_index)
+        if self.t_sampling == "antithetic":
+            if slot is None:
+                slot = torch.argsort(torch.argsort(sample_index))  # rank within the batch
+                group_size = sample_index.shape[0]
+            u = (slot.to(u.device).float() + u) / group_size
         return self.eps + (1 - self.eps) * u
 
     def sample_mask_uniforms(self, sample_index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -141,11 +154,15 @@ class MaskedDiffusionObjective:
         sample_index: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         prompt_mask: torch.Tensor | None = None,
+        t_slot: torch.Tensor | None = None,
+        t_group_size: int | None = None,
     ) -> dict:
         """input_ids (B, L) clean tokens; sample_index (B,) global sample indices (unique per draw: a
         new epoch must give new indices); attention_mask (B, L) 0 for padding; prompt_mask (B, L) True
-        for prompt tokens (never masked, no loss). Returns the model's keyword arguments (input_ids,
-        attention_mask, labels, label_weights, num_items_in_batch) plus `t` and `masked` for logging."""
+        for prompt tokens (never masked, no loss); t_slot (B,) / t_group_size: the samples' places in
+        their antithetic group (see `sample_t`). Returns the model's keyword arguments (input_ids,
+        attention_mask, labels, label_weights, num_items_in_batch) plus `t`, `masked` and `supervised`
+        (B, L) for logging and for summing normalisers over micro-batches."""
         batch, length = input_ids.shape
         device = input_ids.device
         sample_index = sample_index.to(device)
@@ -163,7 +180,7 @@ class MaskedDiffusionObjective:
         if self.label_alignment == "shift":
             supervised = supervised & (positions > 0).unsqueeze(0)
 
-        t = self.sample_t(sample_index)  # (B,)
+        t = self.sample_t(sample_index, t_slot, t_group_size)  # (B,)
         u = self.sample_mask_uniforms(sample_index, positions)  # (B, L)
         masked = (u < self.mask_probability(t).unsqueeze(1)) & supervised
         if self.at_least_one_masked:
@@ -181,11 +198,13 @@ class MaskedDiffusionObjective:
         if self.normalization == "sequence":
             weight = weight / maskable
             num_items = batch
+        elif self.normalization == "sample":
+            num_items = batch
         elif self.normalization == "batch":
             num_items = batch * length
         else:
-            # a tensor, not an int: no host sync per micro-batch; clamped so nothing masked gives loss 0, not nan
-            num_items = masked.sum().clamp(min=1)
+            # a tensor, not an int: no host sync per micro-batch; clamped so nothing to count gives loss 0, not nan
+            num_items = (supervised if self.normalization == "token" else masked).sum().clamp(min=1)
 
         labels = torch.where(masked, input_ids, IGNORE_INDEX)
         weights = torch.where(masked, weight.unsqueeze(1), 0.0)
@@ -199,6 +218,7 @@ class MaskedDiffusionObjective:
             num_items_in_batch=num_items,
             t=t,
             masked=masked,
+            supervised=supervised,
         )
 
     def _ar_inputs(self, input_ids, attention_mask, supervised) -> dict:
@@ -211,14 +231,16 @@ class MaskedDiffusionObjective:
             num_items_in_batch=(labels != IGNORE_INDEX).sum().clamp(min=1),
             t=None,
             masked=None,
+            supervised=labels != IGNORE_INDEX,
         )
 
-    def __call__(self, model, input_ids, sample_index, attention_mask=None, prompt_mask=None, **forward_kwargs):
+    def __call__(self, model, input_ids, sample_index, attention_mask=None, prompt_mask=None, t_slot=None,
+                 t_group_size=None, **forward_kwargs):
         """Corrupt and run the model; returns (loss, the corrupted inputs)."""
-        inputs = self.corrupt(input_ids, sample_index, attention_mask, prompt_mask)
+        inputs = self.corrupt(input_ids, sample_index, attention_mask, prompt_mask, t_slot, t_group_size)
         if self.mode == "ar" and getattr(model.config, "attention_mode", "causal") != "causal":
             raise ValueError("the AR objective needs a model with attention_mode='causal'")
-        model_inputs = {k: v for k, v in inputs.items() if k not in ("t", "masked")}
+        model_inputs = {k: v for k, v in inputs.items() if k not in CORRUPT_EXTRAS}
         if getattr(model.config, "attention_mode", None) == "block" and self.mode == "diffusion":
             model_inputs["clean_input_ids"] = input_ids  # two-stream block-diffusion training
         model_inputs.update(forward_kwargs)  # e.g. a global num_items_in_batch over micro-batches

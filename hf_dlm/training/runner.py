@@ -55,9 +55,14 @@ def load_config(path: str, overrides: list[str] | None = None) -> dict:
     loader = _yaml_loader()
     try:
         with open(path) as f:
-            config = yaml.load(f, Loader=loader) or {}
+            config = yaml.load(f, Loader=loader)
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the config ({error.strerror or error})") from None
+    if config is None:  # an empty file would otherwise train a default-sized model
+        raise ConfigError(f"{path}: the config is empty; it needs the sections {list(SECTIONS)} "
+                          "(see examples/configs/tiny_cpu.yaml)")
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: the top level must be a mapping with sections {SECTIONS}")
     for item in overrides or []:
@@ -128,7 +133,12 @@ def _tokenizer_ids(options: dict, model_options: dict, kind: str):
         raise ConfigError(f"data.kind {kind!r} needs data.tokenizer (a name or path with a mask token)")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(options["tokenizer"])
+    from ..utils.paths import check_model_location
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(check_model_location(options["tokenizer"], "data.tokenizer"))
+    except OSError as error:
+        raise ConfigError(str(error)) from None
     if tokenizer.mask_token_id is None and model_options.get("mask_token_id") is None:
         raise ConfigError(f"data.tokenizer {options['tokenizer']!r} has no mask token; add one "
                           "(hf-dlm convert adds it for AR checkpoints) or set model.config.mask_token_id")
@@ -225,6 +235,10 @@ def build_data(data: dict, model_options: dict, path: str = "config") -> dict:
     if allowed is not None and set(data) - allowed:
         raise ConfigError(f"{path}: data.{sorted(set(data) - allowed)[0]} is not an option of data.kind {kind!r} "
                           f"(options: {sorted(allowed)})")
+    for name, low in (("seq_len", 2), ("max_length", 2), ("num_samples", 1), ("vocab_size", 2), ("eval_windows", 0)):
+        value = data.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            raise ConfigError(f"{path}: data.{name} must be an integer >= {low}, got {value!r}")
     try:
         return DATA_BUILDERS[kind](data, model_options)
     except ConfigError as error:
@@ -256,6 +270,9 @@ def build_model(model: dict, model_options: dict, path: str = "config"):
     if model.get("name_or_path"):
         from transformers import AutoModelForMaskedLM
 
+        from ..utils.paths import check_model_location
+
+        check_model_location(model["name_or_path"], f"{path}: model.name_or_path")
         return AutoModelForMaskedLM.from_pretrained(model["name_or_path"], attn_implementation=attn, dtype=dtype,
                                                     **model_options)
     try:
@@ -287,16 +304,44 @@ def build_training_args(training: dict, path: str = "config"):
         raise ConfigError(f"{path}: training: {error}") from None
 
 
+def _check_model_fits_data(model_config, data: dict, tokenizer, path: str) -> None:
+    """Mistakes that would otherwise fail mid-run (an IndexError in the embedding) or extrapolate silently."""
+    length = data.get("seq_len", data.get("max_length"))
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if length is not None and limit is not None and length > limit:
+        name = "seq_len" if "seq_len" in data else "max_length"
+        raise ConfigError(f"{path}: data.{name} ({length}) exceeds the model's max_position_embeddings ({limit})")
+    if tokenizer is not None and len(tokenizer) > model_config.vocab_size:
+        raise ConfigError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                          f"{model_config.vocab_size}: token ids past it would fail mid-run; use a model with a "
+                          "vocabulary at least as large (model.config.vocab_size, or resize the checkpoint)")
+    mask_id = getattr(tokenizer, "mask_token_id", None)
+    if mask_id is not None and model_config.mask_token_id is not None and mask_id != model_config.mask_token_id:
+        raise ConfigError(f"{path}: the tokenizer's mask token id ({mask_id}) differs from the model's "
+                          f"mask_token_id ({model_config.mask_token_id})")
+
+
 def build_trainer(config: dict, path: str = "config"):
     """(trainer, tokenizer) from a loaded config."""
+    from transformers import set_seed
+
     from .trainer import DLMTrainer
 
     args = build_training_args(config.get("training", {}), path)
     model_section = dict(config.get("model", {}))
     model_options = dict(model_section.pop("config", None) or {})
     check_model_section(model_section, model_options, path)
-    data = build_data(config.get("data", {"kind": "corpus"}), model_options, path)
+    # the data's tokenizer fills the ids a model built from its config lacks; a checkpoint keeps its own
+    # (a vocabulary taken from the tokenizer would silently resize it), and is checked against it below
+    data_model_options = dict(model_options)
+    data = build_data(config.get("data", {"kind": "corpus"}), data_model_options, path)
+    if not model_section.get("name_or_path"):
+        model_options = data_model_options
+    # a model built from its config draws its initial weights now, before the Trainer seeds: seed first,
+    # so the same YAML twice gives the same run (Trainer(model_init=...) does the same)
+    set_seed(args.seed)
     model = build_model(model_section, model_options, path)
+    _check_model_fits_data(model.config, config.get("data", {}), data["tokenizer"], path)
     trainer = DLMTrainer(model=model, args=args, train_dataset=data["train"], eval_dataset=data["eval"],
                          processing_class=data["tokenizer"])
     return trainer, data["tokenizer"]

@@ -21,7 +21,7 @@ import shutil
 import time
 
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import Dataset, IterableDataset
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 from transformers.utils import logging
@@ -55,6 +55,10 @@ class DLMTrainer(Trainer):
             raise TypeError(f"DLMTrainer needs DLMTrainingArguments, got {type(args).__name__}")
         if model is None:
             raise ValueError("DLMTrainer needs a model")
+        self._epoch_stride = None
+        if _needs_sample_index(train_dataset):
+            train_dataset = _IndexedSamples(train_dataset)
+            self._epoch_stride = len(train_dataset)  # noise key = epoch * len(dataset) + dataset index
         if data_collator is None:
             data_collator = DLMDataCollator(pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
         if (isinstance(data_collator, DLMDataCollator) and data_collator.state_source is None
@@ -83,13 +87,17 @@ class DLMTrainer(Trainer):
         self._flops_per_token_fixed = None
 
     # -- batches ------------------------------------------------------------------------------------
-    def _corrupt(self, batch: dict, device) -> dict:
-        """Clean batch -> the model's inputs (+ statistics under _STATS)."""
+    def _corrupt(self, batch: dict, device, t_group: tuple | None = None) -> dict:
+        """Clean batch -> the model's inputs (+ statistics under _STATS). t_group: (sorted keys of the
+        step's global batch, its size) for antithetic t (`_antithetic_group`)."""
         input_ids = batch["input_ids"].to(device)  # (B, L)
         attention_mask, prompt_mask = batch.get("attention_mask"), batch.get("prompt_mask")
         attention_mask = None if attention_mask is None else attention_mask.to(device)
-        inputs = self.objective.corrupt(input_ids, batch["sample_index"].to(device), attention_mask,
-                                        None if prompt_mask is None else prompt_mask.to(device))
+        sample_index = batch["sample_index"].to(device)
+        t_slot = None if t_group is None else torch.searchsorted(t_group[0], sample_index)
+        inputs = self.objective.corrupt(input_ids, sample_index, attention_mask,
+                                        None if prompt_mask is None else prompt_mask.to(device),
+                                        t_slot, None if t_group is None else t_group[1])
         model_inputs = {k: inputs[k] for k in ("input_ids", "labels", "label_weights", "attention_mask")
                         if inputs[k] is not None}
         if "position_ids" in batch:
@@ -103,8 +111,9 @@ class DLMTrainer(Trainer):
             masked_rows = None
         else:
             masked_rows = inputs["masked"].sum(1)  # (B,)
-            # "token" counts masked tokens unclamped so the sum over micro-batches is exact
-            items = masked_rows.sum() if self.objective.normalization == "token" else inputs["num_items_in_batch"]
+            # counted unclamped so the sum over micro-batches is exact
+            counted = {"token": inputs["supervised"], "masked": inputs["masked"]}.get(self.objective.normalization)
+            items = inputs["num_items_in_batch"] if counted is None else counted.sum()
         model_inputs[_STATS] = {"t": inputs["t"], "masked_rows": masked_rows, "tokens": real,
                                 "items": torch.as_tensor(items, device=device, dtype=torch.float32),
                                 "length": input_ids.shape[1]}
@@ -114,7 +123,7 @@ class DLMTrainer(Trainer):
         """The micro-batches of one optimizer step, corrupted, and their global number of loss items."""
         if self._window_start is None:
             self._window_start = time.perf_counter()
-        batch_samples = []
+        batches = []
         for _ in range(num_batches):
             try:
                 batch = next(epoch_iterator)
@@ -123,13 +132,36 @@ class DLMTrainer(Trainer):
             state = batch.pop(DATA_STATE_KEY, None)
             if state is not None:
                 self._data_state = state
-            batch_samples.append(self._corrupt(batch, device))
-        if not batch_samples:
-            return batch_samples, None
+            batches.append(self._keyed(batch))
+        if not batches:
+            return batches, None
+        t_group = self._antithetic_group(batches, device)
+        batch_samples = [self._corrupt(batch, device, t_group) for batch in batches]
         num_items = sum(b[_STATS]["items"] for b in batch_samples)
         if self.accelerator.num_processes > 1:
             num_items = self.accelerator.gather(num_items.reshape(1)).sum()
         return batch_samples, num_items.clamp(min=1)
+
+    def _keyed(self, batch: dict) -> dict:
+        """A batch of an ordinary map-style dataset carries dataset indices: key its noise by the epoch too,
+        so every pass over the data draws new noise, the same on any topology and after a resume."""
+        if self._epoch_stride is not None:
+            epoch = math.floor(self.state.epoch or 0)  # passes completed before this step
+            batch["sample_index"] = batch["sample_index"] + epoch * self._epoch_stride
+        return batch
+
+    def _antithetic_group(self, batches: list[dict], device) -> tuple | None:
+        """Antithetic t is stratified over the optimizer step's global batch (MDLM stratifies over its
+        batch): the sorted, distinct sample keys of all micro-batches on all ranks. A sample's slot is its
+        key's rank there, so it does not depend on world size, micro-batch split or data-loader order."""
+        if self.objective.mode != "diffusion" or self.objective.t_sampling != "antithetic":
+            return None
+        keys = torch.cat([b["sample_index"] for b in batches]).to(device)
+        if self.accelerator.num_processes > 1:
+            keys = self.accelerator.gather(self.accelerator.pad_across_processes(keys, pad_index=-1))
+            keys = keys[keys >= 0]
+        keys = torch.unique(keys)  # sorted; replicas of a batch (tensor/context parallel ranks) count once
+        return keys, keys.numel()
 
     # -- loss -----------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -246,7 +278,23 @@ class DLMTrainer(Trainer):
     def log(self, logs: dict, start_time: float | None = None) -> None:
         if "learning_rate" in logs and "loss" in logs:  # a training log
             logs.update(self._window_logs())
-        super().log(logs, start_time)
+        passes = self._passes_over_data()
+        if passes is None:
+            return super().log(logs, start_time)
+        trainer_epoch, self.state.epoch = self.state.epoch, passes  # the parent writes state.epoch into logs
+        try:
+            super().log(logs, start_time)
+        finally:
+            self.state.epoch = trainer_epoch
+
+    def _passes_over_data(self) -> float | None:
+        """An endless stream has no length, so the Trainer's `epoch` would count fractions of max_steps: with
+        a stream of known epoch size (`DistributedSampleStream`), `epoch` is the passes over the data."""
+        samples = getattr(self.train_dataset, "samples", None)
+        per_epoch = getattr(samples, "samples_per_epoch", None)
+        if not per_epoch or not isinstance(self._data_state, dict) or "consumed_samples" not in self._data_state:
+            return None
+        return round(int(self._data_state["consumed_samples"]) / per_epoch, 4)
 
     # -- evaluation -----------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
@@ -317,10 +365,44 @@ class DLMTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         self._paused += time.perf_counter() - start
 
+    def training_details(self) -> dict:
+        """What the model card's "Training details" table records about this run."""
+        args, objective = self.args, self.objective
+        details = {"trainer": "hf_dlm.DLMTrainer", "objective_preset": args.objective_preset,
+                   **{name: getattr(objective, name) for name in ("mode", "schedule", "weighting", "t_sampling",
+                                                                  "eps", "normalization", "label_alignment")},
+                   "global_step": self.state.global_step, "epochs": round(float(self.state.epoch or 0), 4),
+                   "learning_rate": args.learning_rate, "lr_scheduler_type": str(getattr(args.lr_scheduler_type,
+                                                                                      "value", args.lr_scheduler_type)),
+                   "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+                   * args.world_size, "world_size": args.world_size, "seed": args.seed,
+                   "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"}
+        if args.fp8_recipe:
+            details["fp8_recipe"] = args.fp8_recipe
+        return details
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """The parent's save, then the training record and a model card that shows it."""
+        super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save and self._staging_root is None:  # final models, not every checkpoint
+            from ..conversion.model_card import write_info, write_model_card
+
+            write_info(output_dir, training=self.training_details())
+            write_model_card(output_dir, self.accelerator.unwrap_model(self.model).config)
+
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         if self._staging_root is not None:
             return  # called by the parent's save with the staging folder, renamed away before the upload reads it
         super()._push_from_checkpoint(checkpoint_folder)
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        """A tied lm_head is not saved (it is the embedding, which loading keeps shared): not a missing key."""
+        model = self.accelerator.unwrap_model(self.model)
+        tied = set(getattr(model, "_tied_weights_keys", None) or ())
+        if getattr(model.config, "tie_word_embeddings", False) and tied & set(load_result.missing_keys):
+            load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
+        super()._issue_warnings_after_load(load_result)
 
     def _rank_file(self, checkpoint_dir: str, name: str) -> str:
         return os.path.join(checkpoint_dir, name.format(rank=self.args.process_index))
@@ -348,6 +430,12 @@ class DLMTrainer(Trainer):
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"no valid checkpoint found in output_dir {self.args.output_dir!r}")
+        if not resume_from_checkpoint and not self.args.overwrite_output_dir and self.args.should_save:
+            existing = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+            if existing is not None:
+                raise ValueError(f"output_dir {self.args.output_dir!r} already holds {os.path.basename(existing)}: "
+                                 "pass resume_from_checkpoint=True to continue it, or overwrite_output_dir=True "
+                                 "(or another output_dir) to start a new run")
         restore_skip = self.args.ignore_data_skip
         if resume_from_checkpoint:
             data_state = (self._load_rank_file(resume_from_checkpoint, DATA_STATE_NAME)
@@ -366,6 +454,31 @@ class DLMTrainer(Trainer):
                                  ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         finally:
             self.args.ignore_data_skip = restore_skip
+
+
+class _IndexedSamples(Dataset):
+    """An ordinary map-style dataset (a tokenized `datasets.Dataset`, a list of dicts) whose items have
+    `input_ids` but no `sample_index`: each item gets its dataset index (the trainer adds the epoch)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        item = self.dataset[index]
+        if not isinstance(item, dict) or "input_ids" not in item:
+            raise ValueError(f"DLMTrainer: train_dataset[{index}] must be a dict with 'input_ids', got "
+                             f"{type(item).__name__}{' with keys ' + str(sorted(item)) if isinstance(item, dict) else ''}")
+        return {**item, "sample_index": int(index)}
+
+
+def _needs_sample_index(dataset) -> bool:
+    if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return False
+    first = dataset[0]
+    return isinstance(first, dict) and "sample_index" not in first
 
 
 def _fsync_tree(path: str) -> None:

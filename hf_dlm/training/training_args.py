@@ -96,6 +96,12 @@ class DLMTrainingArguments(TrainingArguments):
         metadata={"help": "torch.compile each decoder block separately (torchtitan's per-block compile), applied by "
                           "hf_dlm.parallel.parallelize."},
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train into an output_dir that already holds checkpoints without resuming from them (they "
+                          "are then overwritten as the new run saves). False: `train()` refuses such a folder unless "
+                          "resume_from_checkpoint is given."},
+    )
     # -- parent defaults changed ------------------------------------------------------------------
     remove_unused_columns: bool = field(
         default=False,
@@ -121,6 +127,11 @@ class DLMTrainingArguments(TrainingArguments):
         def fail(name, expected):
             raise ValueError(f"DLMTrainingArguments.{name} must be {expected}, got {getattr(self, name)!r}")
 
+        if self.max_steps == 0 or self.max_steps < -1:
+            fail("max_steps", ">= 1, or -1 to train for num_train_epochs")
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                fail(name, ">= 1")
         if self.objective_preset is not None and self.objective_preset not in PRESETS:
             fail("objective_preset", f"one of {sorted(PRESETS)} or None")
         for name, allowed in (("schedule", SCHEDULES), ("weighting", WEIGHTINGS), ("t_sampling", T_SAMPLINGS),

@@ -49,6 +49,7 @@ def _reference():
 
 
 def _worker(rank, world_size, init_file, out_dir):
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -83,7 +84,8 @@ def _worker(rank, world_size, init_file, out_dir):
 @pytest.fixture(scope="module")
 def pipeline_results():
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(4, os.path.join(folder, "init"), folder), nprocs=4, join=True)
+        # fork: the children reuse this interpreter's imports (spawning 4 fresh ones costs most of the test)
+        mp.start_processes(_worker, args=(4, os.path.join(folder, "init"), folder), nprocs=4, start_method="fork")
         return [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(4)]
 
 

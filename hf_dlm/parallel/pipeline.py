@@ -199,6 +199,8 @@ class DLMPipeline:
         self.pp_size, self.pp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.schedule_name, self.stages_per_rank = schedule, stages_per_rank
         self.dp_mesh = dp_mesh
+        self.dp_size = dp_mesh.size() if dp_mesh is not None else 1
+        self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.num_parameters = sum(p.numel() for p in model.parameters())
         plan = PipelinePlan.from_model(model)
@@ -275,6 +277,25 @@ class DLMPipeline:
         return total
 
 
+def pipeline_for_training(model, args) -> DLMPipeline:
+    """The pipeline of a `DLMTrainingArguments` run: a (pp, dp_shard) device mesh over all processes (pp outermost,
+    as torchtitan orders it), the stages FSDP2-sharded over dp_shard when there are more processes than stages."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = args.world_size  # sets up torch.distributed under torchrun / accelerate launch
+    if world < args.pp_size or not dist.is_initialized():
+        raise RuntimeError(f"pp_size={args.pp_size} needs that many processes or a multiple: launch with torchrun / "
+                           f"accelerate launch (world size here: {world})")
+    if world % args.pp_size:
+        raise ValueError(f"pp_size={args.pp_size} must divide the number of processes ({world}); the quotient is "
+                         "the data-parallel (FSDP2) size")
+    dp = world // args.pp_size
+    mesh = init_device_mesh(args.device.type, (args.pp_size, dp), mesh_dim_names=("pp", "dp_shard"))
+    return DLMPipeline(model, pp_mesh=mesh["pp"], schedule=args.pp_schedule, stages_per_rank=args.pp_stages_per_rank,
+                       split_points=args.pp_split_points, dp_mesh=mesh["dp_shard"] if dp > 1 else None,
+                       device=args.device)
+
+
 def check_pipeline_model(model) -> None:
     """Refuse what the stages cannot split, with the reason."""
     config = model.config
@@ -347,5 +368,5 @@ def pipeline_schedule_terms(num_layers: int, pp_size: int, n_microbatches: int, 
             "p2p_per_microbatch": num_stages - 1}
 
 
-__all__ = ["DLMPipeline", "DLMPipelineModel", "DLMPipelineStageModule", "PipelinePlan", "PIPELINE_SCHEDULES",
+__all__ = ["pipeline_for_training", "DLMPipeline", "DLMPipelineModel", "DLMPipelineStageModule", "PipelinePlan", "PIPELINE_SCHEDULES",
            "check_pipeline_model", "pipeline_schedule_terms", "split_layers"]

@@ -27,7 +27,9 @@ def _full_state_dict(module) -> dict[str, torch.Tensor]:
     collective over the module's data-parallel ranks)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # not cpu_offload=True: that keeps the tensors on global rank 0 only, and every stage's rank writes its own
+    state_dict = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    return {key: tensor.detach().cpu() for key, tensor in state_dict.items()}
 
 
 def save_pipeline_pretrained(pipeline, save_directory: str, is_main_process: bool, dp_rank: int = 0) -> None:

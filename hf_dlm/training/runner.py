@@ -296,6 +296,9 @@ def build_trainer(config: dict, path: str = "config"):
     model_options = dict(model_section.pop("config", None) or {})
     check_model_section(model_section, model_options, path)
     data = build_data(config.get("data", {"kind": "corpus"}), model_options, path)
+    # initial weights from training.seed (as the Trainer's model_init): every process of a run, and every rerun,
+    # starts from the same weights (FSDP2 and pipeline stages shard what each process built)
+    torch.manual_seed(args.seed)
     model = build_model(model_section, model_options, path)
     trainer = DLMTrainer(model=model, args=args, train_dataset=data["train"], eval_dataset=data["eval"],
                          processing_class=data["tokenizer"])

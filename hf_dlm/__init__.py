@@ -59,6 +59,8 @@ _LAZY = {
     "precompute_float8_scales": ".parallel.float8",
     "fp8_autocast": ".parallel.float8",
     "DelayedFloat8Linear": ".parallel.float8_delayed",
+    "DLMPipeline": ".parallel.pipeline",
+    "pipeline_schedule_terms": ".parallel.pipeline",
     # conversion
     "convert_checkpoint": ".conversion.convert",
     "verify_checkpoints": ".conversion.verify",

@@ -51,12 +51,19 @@ def _train(config_path, resume=None):
     return trainer, [log for log in trainer.state.log_history if "loss" in log]
 
 
-@pytest.fixture(scope="module")
-def pipeline_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pp2")
-    config = _write_config(folder / "pp2.yaml", output_dir=str(folder / "run"))
+# layout -> (processes, training options): PP=2 alone (2 ranks x 2 rows pool a micro-batch), and PP=2 x FSDP2=2
+# with the interleaved schedule (4 ranks x 1 row; each data-parallel pair pools 2 rows): both 4 rows a micro-batch
+LAYOUTS = {"pp2": (2, dict(pp_schedule="1f1b")),
+           "pp2xfsdp2": (4, dict(pp_schedule="interleaved_1f1b", per_device_train_batch_size=1))}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def pipeline_run(request, tmp_path_factory):
+    processes, options = LAYOUTS[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    config = _write_config(folder / "pp.yaml", output_dir=str(folder / "run"), **options)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
                str(_free_port()), os.path.join(ROOT, "tests", "pipeline_trainer_worker.py"), config,
                str(folder / "out.json")]
     result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -76,7 +83,8 @@ def single_run(tmp_path_factory):
 def test_pp2_trains_like_one_process(pipeline_run, single_run):
     folder, record = pipeline_run
     trainer, logs, _ = single_run
-    assert record["world_size"] == 2 and record["stages"] == [[0, 1]]  # rank 0: the first two of 4 layers
+    # rank 0 holds the first two of 4 layers, or (interleaved) stages 0 and 2 of one layer each
+    assert (record["world_size"], record["stages"]) in ((2, [[0, 1]]), (4, [[0], [2]]))
     pp_logs = record["logs"]
     assert [log["step"] for log in pp_logs] == [log["step"] for log in logs] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm"):
@@ -90,8 +98,9 @@ def test_pp2_trains_like_one_process(pipeline_run, single_run):
     # the final weights, written stage by stage, load as one model and equal the single process's
     loaded = DLMForDiffusionLM.from_pretrained(folder / "run" / "final")
     index = json.loads((folder / "run" / "final" / "model.safetensors.index.json").read_text())
-    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
-                                                         "model-00002-of-00002.safetensors"]
+    stages = 2 * len(record["stages"])
+    assert sorted(set(index["weight_map"].values())) == [f"model-{i:05d}-of-{stages:05d}.safetensors"
+                                                         for i in range(1, stages + 1)]
     expected = trainer.model.state_dict()
     assert loaded.state_dict().keys() == expected.keys()
     for name, tensor in loaded.state_dict().items():

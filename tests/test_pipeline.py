@@ -76,6 +76,9 @@ def _worker(rank, world_size, init_file, out_dir):
                      for name, p in pipeline.model.named_parameters()}
             norm = pipeline.clip_grad_norm_(float("inf"))
             results[(schedule, fsdp)] = (loss, grads, norm, [list(r) for r in pipeline.layer_ranges])
+    # a window shorter than the pipeline (the end of an epoch): 1F1B needs m >= p, so it runs through GPipe
+    pipeline = DLMPipeline(_model(), pp_mesh=mesh["pp"], schedule="1f1b")
+    results["short window"] = (pipeline.step(batches[:1], items), type(pipeline._schedule).__name__)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -111,6 +114,15 @@ def test_pipeline_matches_single_process(pipeline_results, schedule, fsdp):
         assert ranks[0][3] == [[0], [2]] and ranks[2][3] == [[1], [3]]
     else:
         assert ranks[0][3] == [[0, 1]] and ranks[2][3] == [[2, 3]]
+
+
+def test_short_window_runs_through_gpipe(pipeline_results):
+    model = _model()
+    batches, items = _micro_batches()
+    expected = model(**batches[0], num_items_in_batch=items).loss
+    loss, schedule = pipeline_results[2]["short window"]
+    assert schedule == "ScheduleGPipe" and pipeline_results[0]["short window"][0] is None
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
 
 
 def test_split_layers_and_plan():

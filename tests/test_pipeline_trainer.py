@@ -142,3 +142,14 @@ def test_pp_size_without_processes_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="pp_size=2 needs"):
         build_trainer(load_config(config), config)
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
+
+
+def test_an_eval_dataset_is_refused_before_training(tmp_path):
+    from hf_dlm import DLMTrainer
+    from tests.trainer_utils import random_dataset
+    from tests.conftest import tiny_model
+
+    args = DLMTrainingArguments(output_dir=str(tmp_path), use_cpu=True, pp_size=2, gradient_accumulation_steps=2,
+                                report_to="none")
+    with pytest.raises(ValueError, match="eval_dataset with pp_size > 1"):
+        DLMTrainer(model=tiny_model(), args=args, train_dataset=random_dataset(4), eval_dataset=random_dataset(4))

@@ -24,9 +24,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers.utils import logging
 
 from ..modeling.loss import masked_lm_loss
 from ..modeling.modeling_dlm import decoder_layer_inputs
+
+logger = logging.get_logger(__name__)
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 _SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
@@ -234,11 +237,14 @@ class DLMPipeline:
         if n_microbatches != self._n_microbatches:
             from torch.distributed import pipelining
 
-            if self.schedule_name == "1f1b" and n_microbatches < self.pp_size:
-                raise ValueError(f"the 1F1B schedule needs at least pp_size={self.pp_size} micro-batches per step "
-                                 f"(gradient_accumulation_steps), got {n_microbatches}")
-            cls = getattr(pipelining, _SCHEDULE_CLASSES[self.schedule_name])
-            stages = self.stages if self.schedule_name == "interleaved_1f1b" else self.stages[0]
+            name = self.schedule_name
+            if name == "1f1b" and n_microbatches < self.pp_size:
+                # 1F1B needs m >= p; a short window (the end of an epoch) runs the same math through GPipe
+                logger.warning(f"{n_microbatches} micro-batches < pp_size={self.pp_size}: this step runs through "
+                               "the GPipe schedule (1F1B needs at least pp_size)")
+                name = "gpipe"
+            cls = getattr(pipelining, _SCHEDULE_CLASSES[name])
+            stages = self.stages if name == "interleaved_1f1b" else self.stages[0]
             # scale_grads=False: the loss already carries the global normaliser
             self._schedule = cls(stages, n_microbatches, loss_fn=_sum_loss, scale_grads=False)
             self._n_microbatches = n_microbatches

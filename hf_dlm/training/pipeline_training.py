@@ -37,10 +37,13 @@ class PipelineTrainingMixin:
     _pipeline = None
     _pipeline_window: list | None = None
 
-    def _setup_pipeline(self, model, args):
+    def _setup_pipeline(self, model, args, eval_dataset=None):
         """Cut `model` into this rank's stages when args.pp_size > 1; returns what the Trainer should hold."""
         if args.pp_size <= 1:
             return model
+        if eval_dataset is not None:
+            raise ValueError("eval_dataset with pp_size > 1: the ELBO evaluation runs the whole model; evaluate a "
+                             "saved checkpoint with pp_size=1 (in a YAML config: data.eval_windows: 0)")
         from ..parallel.pipeline import pipeline_for_training
 
         self._pipeline = pipeline_for_training(model, args)

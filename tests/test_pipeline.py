@@ -169,3 +169,7 @@ def test_schedule_terms_by_hand():
     inter = pipeline_schedule_terms(32, 4, 8, "interleaved_1f1b")
     assert inter["bubble_fraction"] == 3 / 19 and inter["num_stages"] == 8
     assert inter["layers_per_rank"] == 8 and inter["in_flight_layers"] == 11 * 4
+    sized = pipeline_schedule_terms(32, 4, 8, "1f1b", layer_state_bytes=100.0, layer_activation_bytes=10.0)
+    assert sized["memory_bytes"] == 8 * 100 + 32 * 10
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        pipeline_schedule_terms(32, 4, 8, "zb")

@@ -343,7 +343,8 @@ def _concatenate(micro_batches: list[dict]) -> dict:
 
 # -- planning terms ---------------------------------------------------------------------------------
 def pipeline_schedule_terms(num_layers: int, pp_size: int, n_microbatches: int, schedule: str = "1f1b",
-                            stages_per_rank: int | None = None) -> dict:
+                            stages_per_rank: int | None = None, layer_state_bytes: float = 0.0,
+                            layer_activation_bytes: float = 0.0) -> dict:
     """Bubble and memory terms of a pipeline layout, for a planner.
 
     bubble_fraction: idle share of a step with equal forward/backward times per stage:
@@ -354,6 +355,9 @@ def pipeline_schedule_terms(num_layers: int, pp_size: int, n_microbatches: int, 
         activation bytes): GPipe keeps all m micro-batches, 1F1B min(p, m), interleaved 1F1B the warm-up of
         torch's schedule (2 (p - 1) + (v - 1) * m/rounds forward chunks, plus the one in flight).
     p2p_per_microbatch: activation sends per micro-batch and direction (each of B x L x H elements).
+    memory_bytes: layers_per_rank x layer_state_bytes (one layer's weights, gradients and optimizer state on
+        this rank, after any FSDP sharding) + in_flight_layers x layer_activation_bytes (one layer's saved
+        activations for one micro-batch); the embeddings and head of the end stages come on top.
     """
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}")
@@ -369,9 +373,10 @@ def pipeline_schedule_terms(num_layers: int, pp_size: int, n_microbatches: int, 
         rounds = max(1, m // p)
         in_flight_chunks = min((v - 1) * (m // rounds) + 2 * (p - 1) + 1, m * v)
     bubble = (p - 1) / (v * m + p - 1)
-    return {"bubble_fraction": bubble, "layers_per_rank": layers_per_stage * v,
-            "in_flight_layers": in_flight_chunks * layers_per_stage, "num_stages": num_stages,
-            "p2p_per_microbatch": num_stages - 1}
+    layers_per_rank, in_flight_layers = layers_per_stage * v, in_flight_chunks * layers_per_stage
+    return {"bubble_fraction": bubble, "layers_per_rank": layers_per_rank, "in_flight_layers": in_flight_layers,
+            "num_stages": num_stages, "p2p_per_microbatch": num_stages - 1,
+            "memory_bytes": layers_per_rank * layer_state_bytes + in_flight_layers * layer_activation_bytes}
 
 
 __all__ = ["pipeline_for_training", "DLMPipeline", "DLMPipelineModel", "DLMPipelineStageModule", "PipelinePlan", "PIPELINE_SCHEDULES",

@@ -140,7 +140,8 @@ def main() -> None:
     torch.manual_seed(0)
     config = DLMConfig(**shape, qk_norm=True, mask_token_id=shape["vocab_size"] - 1, max_position_embeddings=args.seq)
     config._attn_implementation = "sdpa"
-    model = DLMForDiffusionLM(config).to(device).train()
+    with torch.device(device):  # initialised on the device: seconds, not a minute of CPU init
+        model = DLMForDiffusionLM(config).train()
     objective = MaskedDiffusionObjective(mask_token_id=config.mask_token_id, normalization="token")
     ids = torch.randint(0, config.vocab_size - 1, (args.micro_batch, args.seq), device=device)
     corrupted = objective.corrupt(ids, torch.arange(args.micro_batch, device=device))
@@ -165,33 +166,37 @@ def main() -> None:
                       f"{' / '.join(f'{t:.2f}' for t in backward)} | {row['step_ms']:.1f} | {row['bubble']:.3f} | "
                       f"{even:.3f} | {theory:.3f} |", flush=True)
 
-    # the pipeline runtime on one process: a 2-stage cut, both stages on this rank (interleaved, group of 1)
+    # the pipeline runtime on one process (group of one): GPipe and 1F1B with the whole model as one stage,
+    # interleaved 1F1B with a 2-stage cut, both stages on this rank; losses against the unsplit model
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
     dist.init_process_group("gloo" if device.type == "cpu" else "nccl", rank=0, world_size=1,
                             device_id=device if device.type == "cuda" else None)
     m = 8
     micro_batches = [batch] * m
-    pipeline = DLMPipeline(model, schedule="interleaved_1f1b", stages_per_rank=2, device=device)
-    forward, backward = stage_times(model, 2, batch, items, args.repeats, device)
-
-    def pipeline_step():
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            loss = pipeline.step(micro_batches, items * m)
-        pipeline.model.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    pipeline_ms = timed(pipeline_step, args.repeats, device)
-    loss = pipeline_step()
     with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-        reference = DLMForDiffusionLM.forward(model, **batch, num_items_in_batch=items).loss
-    serial = m * (sum(forward) + sum(backward))
-    results["one_process"] = {"micro_batches": m, "pipeline_step_ms": pipeline_ms, "stage_sum_ms": serial,
-                              "overhead": pipeline_ms / serial - 1, "loss": float(loss),
-                              "unsplit_loss": float(reference)}
-    print(f"\none process, 2 stages, {m} micro-batches: pipeline step {pipeline_ms:.1f} ms, stages alone "
-          f"{serial:.1f} ms (overhead {pipeline_ms / serial - 1:+.1%}); loss {float(loss):.5f}, "
-          f"unsplit {float(reference):.5f}")
+        reference = float(DLMForDiffusionLM.forward(model, **batch, num_items_in_batch=items).loss)
+    results["one_process"] = []
+    print(f"\n| one process, {m} micro-batches | stages | pipeline step ms | stages alone ms | overhead | loss | "
+          "unsplit loss |\n|---|---|---|---|---|---|---|")
+    for schedule, stages in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        pipeline = DLMPipeline(model, schedule=schedule, stages_per_rank=stages, device=device)
+        forward, backward = stage_times(model, stages, batch, items, args.repeats, device)
+
+        def pipeline_step(pipeline=pipeline):
+            with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+                loss = pipeline.step(micro_batches, items * m)  # m copies: the loss is one micro-batch's
+            pipeline.model.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        pipeline_ms = timed(pipeline_step, args.repeats, device)
+        loss = float(pipeline_step())
+        serial = m * (sum(forward) + sum(backward))
+        results["one_process"].append({"schedule": schedule, "stages": stages, "pipeline_step_ms": pipeline_ms,
+                                       "stage_sum_ms": serial, "overhead": pipeline_ms / serial - 1, "loss": loss,
+                                       "unsplit_loss": reference})
+        print(f"| {schedule} | {stages} | {pipeline_ms:.1f} | {serial:.1f} | {pipeline_ms / serial - 1:+.1%} | "
+              f"{loss:.5f} | {reference:.5f} |", flush=True)
     dist.destroy_process_group()
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -137,8 +137,8 @@ def test_split_layers_and_plan():
     plan = PipelinePlan.from_model(model)
     assert plan == PipelinePlan(("embed_tokens",), "layers", ("norm",), ("lm_head",))
     last = DLMPipelineStageModule(model, range(2, 4), False, True, plan)
-    assert sorted(last.state_dict()) == sorted(k for k in model.state_dict()
-                                               if k.startswith(("model.layers.2.", "model.layers.3.", "model.norm", "lm_head")))
+    owned = ("model.layers.2.", "model.layers.3.", "model.norm", "lm_head")
+    assert sorted(last.state_dict()) == sorted(k for k in model.state_dict() if k.startswith(owned))
     with pytest.raises(NotImplementedError, match="tie_word_embeddings"):
         check_pipeline_model(tiny_model(tie_word_embeddings=True))
 

@@ -188,7 +188,8 @@ class DLMPipeline:
         layer one unit, then the stage); its ranks run the same stages on different data.
     """
 
-    def __init__(self, model, *, pp_group=None, pp_mesh=None, schedule: str = "1f1b", stages_per_rank: int | None = None,
+    def __init__(self, model, *, pp_group=None, pp_mesh=None, schedule: str = "1f1b",
+                 stages_per_rank: int | None = None,
                  split_points: list[int] | None = None, dp_mesh=None, device: torch.device | str | None = None,
                  fsdp_kwargs: dict | None = None):
         check_pipeline_model(model)
@@ -197,7 +198,8 @@ class DLMPipeline:
         if stages_per_rank is None:
             stages_per_rank = 2 if schedule == "interleaved_1f1b" else 1
         if schedule != "interleaved_1f1b" and stages_per_rank != 1:
-            raise ValueError(f"schedule {schedule!r} runs one stage per rank; stages_per_rank > 1 needs 'interleaved_1f1b'")
+            raise ValueError(f"schedule {schedule!r} runs one stage per rank; stages_per_rank > 1 needs "
+                             "'interleaved_1f1b'")
         self.group = pp_mesh.get_group() if pp_mesh is not None else (pp_group or dist.group.WORLD)
         self.pp_size, self.pp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.schedule_name, self.stages_per_rank = schedule, stages_per_rank
@@ -210,7 +212,8 @@ class DLMPipeline:
         num_stages = self.pp_size * stages_per_rank
         ranges = split_layers(model.config.num_hidden_layers, num_stages, split_points)
         self.stage_indices = [self.pp_rank + k * self.pp_size for k in range(stages_per_rank)]
-        modules = [DLMPipelineStageModule(model, ranges[i], i == 0, i == num_stages - 1, plan) for i in self.stage_indices]
+        modules = [DLMPipelineStageModule(model, ranges[i], i == 0, i == num_stages - 1, plan)
+                   for i in self.stage_indices]
         for module in modules:
             module.to(self.device)
             if dp_mesh is not None:
@@ -379,5 +382,5 @@ def pipeline_schedule_terms(num_layers: int, pp_size: int, n_microbatches: int, 
             "memory_bytes": layers_per_rank * layer_state_bytes + in_flight_layers * layer_activation_bytes}
 
 
-__all__ = ["pipeline_for_training", "DLMPipeline", "DLMPipelineModel", "DLMPipelineStageModule", "PipelinePlan", "PIPELINE_SCHEDULES",
-           "check_pipeline_model", "pipeline_schedule_terms", "split_layers"]
+__all__ = ["pipeline_for_training", "DLMPipeline", "DLMPipelineModel", "DLMPipelineStageModule", "PipelinePlan",
+           "PIPELINE_SCHEDULES", "check_pipeline_model", "pipeline_schedule_terms", "split_layers"]

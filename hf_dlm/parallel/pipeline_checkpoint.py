@@ -88,7 +88,7 @@ def load_pipeline_weights(pipeline, checkpoint_dir: str) -> None:
     elif os.path.isfile(os.path.join(checkpoint_dir, "model.safetensors")):
         weight_map = None
     else:
-        raise FileNotFoundError(f"{checkpoint_dir}: no model.safetensors or {INDEX_NAME} to load the pipeline stages from")
+        raise FileNotFoundError(f"{checkpoint_dir}: no model.safetensors or {INDEX_NAME} to load the stages from")
     for stage in pipeline.stages:
         keys = list(stage.submod.state_dict())
         files: dict[str, list[str]] = {}

@@ -71,7 +71,7 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
             parallelize_dlm(model, float8_recipe=args.fp8_recipe, float8_fast_accum=args.fp8_fast_accum,
                             float8_min_features=args.fp8_min_features,
                             low_precision_residual=args.low_precision_residual, compile=args.compile_blocks)
-        model = self._setup_pipeline(model, args, eval_dataset)  # pp_size > 1: this rank's stages (pipeline_training.py)
+        model = self._setup_pipeline(model, args, eval_dataset)  # pp_size > 1: this rank's stages only
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)
         self.objective = objective if objective is not None else args.build_objective(model.config)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hf_dlm.parallel.pipeline import (DLMPipelineStageModule, PipelinePlan, check_pipeline_model,
+from hf_dlm.parallel.pipeline import (DLMPipelineModel, DLMPipelineStageModule, PipelinePlan, check_pipeline_model,
                                       pipeline_schedule_terms, split_layers)
 from hf_dlm.training.objective import MaskedDiffusionObjective
 from tests.conftest import MASK_ID, VOCAB, tiny_model
@@ -155,6 +155,30 @@ def test_stages_chained_equal_the_model():
         hidden = stage(hidden, labels=batches[0]["labels"], label_weights=batches[0]["label_weights"])
     expected = model(**batches[0], num_items_in_batch=items).loss
     torch.testing.assert_close(hidden, expected.reshape(1), rtol=0, atol=1e-6)
+
+
+def test_activation_checkpointing_on_the_stages_changes_no_gradient():
+    """What the Trainer calls for gradient_checkpointing (either transformers name) on a rank's stages."""
+    batches, items = _micro_batches()
+    grads = []
+    for checkpointing in (False, True):
+        model = _model()
+        plan = PipelinePlan.from_model(model)
+        stages = [DLMPipelineStageModule(model, r, i == 0, i == 1, plan) for i, r in enumerate(split_layers(LAYERS, 2))]
+        held = DLMPipelineModel(model.config, stages)
+        if checkpointing:
+            held.activation_checkpointing_enable(every_n_layers=2)
+            assert [layer.gradient_checkpointing for layer in held.model.layers.values()] == [True, False, True, False]
+            held.gradient_checkpointing_enable({"use_reentrant": False})
+        stages[-1].loss_normaliser = items
+        hidden = batches[0]["input_ids"]
+        for stage in stages:
+            hidden = stage(hidden, labels=batches[0]["labels"], label_weights=batches[0]["label_weights"])
+        hidden.sum().backward()
+        grads.append({name: p.grad for name, p in held.named_parameters()})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(_model().parameters()))
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6, msg=name)
 
 
 def test_schedule_terms_by_hand():

@@ -156,16 +156,22 @@ class DLMPipelineModel(nn.Module):
                 self.lm_head = stage.lm_head
         self.stages = tuple(stages)  # a tuple is not registered: the parameters appear once, under model / lm_head
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-        """Recompute each decoder layer in backward (the layers' own `GradientCheckpointingLayer` hook)."""
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
+                                        offload: bool = False):
+        """Recompute every `every_n_layers`-th decoder layer (by its index in the full model) in backward, through
+        the layers' own `GradientCheckpointingLayer` hook; what `Trainer` calls for `gradient_checkpointing`."""
         from torch.utils.checkpoint import checkpoint
 
-        kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
-        for layer in self.model.layers.values():
-            layer.gradient_checkpointing = True
+        if offload:
+            raise NotImplementedError("activation offloading with pipeline parallelism is not supported")
+        kwargs = {"use_reentrant": False, **(activation_checkpointing_kwargs or {})}
+        for index, layer in self.model.layers.items():
+            layer.gradient_checkpointing = int(index) % every_n_layers == 0
             layer._gradient_checkpointing_func = functools.partial(checkpoint, **kwargs)
 
-    activation_checkpointing_enable = gradient_checkpointing_enable
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+        """transformers < 5.19's name of `activation_checkpointing_enable`."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline-parallel model runs through DLMPipeline.step (its schedule), not forward")

@@ -1,6 +1,7 @@
-"""DLMTrainer with training.pp_size=2 from a YAML config, through torchrun on 2 gloo processes: the same losses,
-gradient norms, per-t statistics and weights as one process; the per-stage checkpoint loads with
-`from_pretrained`, and a pp_size=1 run resumed from the pp_size=2 checkpoint equals the uninterrupted run."""
+"""DLMTrainer with training.pp_size=2 from a YAML config, through torchrun on 2 gloo processes (and on 4, with
+FSDP2=2): the same losses, gradient norms, per-t statistics and weights as one process; the per-stage checkpoint
+loads with `from_pretrained`; a run resumed from it, in the same layout or with pp_size=1, equals the
+uninterrupted run."""
 
 import json
 import os
@@ -105,6 +106,15 @@ def test_pp2_trains_like_one_process(pipeline_run, single_run):
     assert loaded.state_dict().keys() == expected.keys()
     for name, tensor in loaded.state_dict().items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_resume_in_the_same_layout_equals_the_uninterrupted_run(pipeline_run):
+    _, record = pipeline_run
+    assert [log["step"] for log in record["resumed_logs"]] == [3, 4]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([log[key] for log in record["resumed_logs"]]),
+                                   torch.tensor([log[key] for log in record["logs"][2:]]), rtol=1e-6, atol=1e-6)
+    assert record["resume_gap"] < 1e-6  # every stage's weights, on every rank
 
 
 def test_resume_pp2_checkpoint_with_pp1_equals_the_uninterrupted_run(pipeline_run, single_run, tmp_path):

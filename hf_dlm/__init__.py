@@ -71,6 +71,8 @@ _LAZY = {
     "ContinuousBatchingEngine": ".serving.engine",
     "create_app": ".serving.app",
     "DLMEvalHarness": ".evaluation.lm_eval_model",
+    "DLMPipeline": ".parallel.pipeline",
+    "pipeline_schedule_terms": ".parallel.pipeline",
     # conversion
     "convert_checkpoint": ".conversion.convert",
     "verify_checkpoints": ".conversion.verify",

@@ -175,6 +175,31 @@ class DLMDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+def decoder_layer_inputs(config, rotary_emb, hidden_states, attention_mask=None, position_ids=None, two_stream=False):
+    """The attention mask and RoPE (cos, sin) the decoder layers take with `hidden_states` (B, L, H), or
+    (B, 2L, H) for two-stream block-diffusion input; attention_mask / position_ids (B, L) as in
+    `DLMModel.forward`. Shared by `DLMModel.forward` and the pipeline stages (`hf_dlm.parallel.pipeline`)."""
+    batch_size, total_len = hidden_states.shape[:2]
+    seq_len = total_len // 2 if two_stream else total_len
+    packed = position_ids is not None
+    if position_ids is None:
+        if attention_mask is not None and attention_mask.dim() == 2:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        else:
+            position_ids = torch.arange(seq_len, device=hidden_states.device).expand(batch_size, -1)
+    key_padding, rope_positions = attention_mask, position_ids
+    if two_stream:
+        rope_positions = torch.cat([position_ids, position_ids], dim=1)
+        if attention_mask is not None and attention_mask.dim() == 2:
+            key_padding = torch.cat([attention_mask, attention_mask], dim=1)
+    mask = build_attention_mask(
+        config._attn_implementation or "eager", config.attention_mode, config.block_size, batch_size, total_len,
+        total_len, hidden_states.device, hidden_states.dtype, attention_mask=key_padding, position_ids=position_ids,
+        packed=packed, two_stream=two_stream, structured_kernel=True,
+    )
+    return mask, rotary_emb(hidden_states, rope_positions)
+
+
 class DLMPreTrainedModel(PreTrainedModel):
     config_class = DLMConfig
     config: DLMConfig
@@ -269,43 +294,21 @@ class DLMModel(DLMPreTrainedModel):
             raise ValueError("DLMModel.forward takes exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        batch_size, seq_len = inputs_embeds.shape[:2]
-        packed = position_ids is not None
-        if position_ids is None:
-            if attention_mask is not None and attention_mask.dim() == 2:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            else:
-                position_ids = torch.arange(seq_len, device=inputs_embeds.device).expand(batch_size, -1)
-
+        seq_len = inputs_embeds.shape[1]
         two_stream = clean_input_ids is not None
-        key_padding, rope_positions = attention_mask, position_ids
         if two_stream:
             if self.config.attention_mode != "block":
                 raise ValueError("clean_input_ids (two-stream training input) needs attention_mode='block'")
             inputs_embeds = torch.cat([inputs_embeds, self.embed_tokens(clean_input_ids)], dim=1)
-            rope_positions = torch.cat([position_ids, position_ids], dim=1)
-            if attention_mask is not None and attention_mask.dim() == 2:
-                key_padding = torch.cat([attention_mask, attention_mask], dim=1)
-
-        mask = build_attention_mask(
-            self.config._attn_implementation or "eager",
-            self.config.attention_mode,
-            self.config.block_size,
-            batch_size,
-            inputs_embeds.shape[1],
-            inputs_embeds.shape[1],
-            inputs_embeds.device,
-            inputs_embeds.dtype,
-            attention_mask=key_padding,
-            position_ids=position_ids,
-            packed=packed,
-            two_stream=two_stream,
-            structured_kernel=True,
-        )
         hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, rope_positions)
+        mask, position_embeddings = decoder_layer_inputs(
+            self.config, self.rotary_emb, hidden_states, attention_mask, position_ids, two_stream
+        )
         all_hidden_states = () if output_hidden_states else None
-        self._set_router_token_mask(key_padding if key_padding is not None and key_padding.dim() == 2 else None)
+        key_padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if two_stream and key_padding is not None:
+            key_padding = torch.cat([key_padding, key_padding], dim=1)
+        self._set_router_token_mask(key_padding)
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states[:, :seq_len],)

@@ -1,6 +1,7 @@
 """Speed and scale: `parallelize_dlm` (tensor parallel, expert parallel, activation checkpointing,
-per-block compile, FSDP2, in torchtitan's order) and the float8 converters (torchao recipes, hf-dlm's delayed recipe,
-Transformer Engine). Names load on first access; torchao and Transformer Engine only when used."""
+per-block compile, FSDP2, in torchtitan's order), pipeline parallelism (`DLMPipeline`) and the float8
+converters (torchao recipes, hf-dlm's delayed recipe, Transformer Engine). Names load on first access;
+torchao and Transformer Engine only when used."""
 
 from ..utils.lazy import lazy_exports
 
@@ -10,6 +11,9 @@ _LAZY = {
     "convert_to_float8": ".float8", "precompute_float8_scales": ".float8", "fp8_autocast": ".float8",
     "float8_module_filter": ".float8",
     "DelayedFloat8Linear": ".float8_delayed", "convert_to_delayed_float8": ".float8_delayed",
+    "DLMPipeline": ".pipeline", "DLMPipelineStageModule": ".pipeline", "pipeline_schedule_terms": ".pipeline",
+    "split_layers": ".pipeline", "save_pipeline_pretrained": ".pipeline_checkpoint",
+    "load_pipeline_weights": ".pipeline_checkpoint",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _LAZY)

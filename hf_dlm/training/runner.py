@@ -338,7 +338,8 @@ def build_trainer(config: dict, path: str = "config"):
     if not model_section.get("name_or_path"):
         model_options = data_model_options
     # a model built from its config draws its initial weights now, before the Trainer seeds: seed first,
-    # so the same YAML twice gives the same run (Trainer(model_init=...) does the same)
+    # so the same YAML twice gives the same run, and every process of a run starts from the same weights
+    # (FSDP2 and pipeline stages shard what each process built), as Trainer(model_init=...) does
     set_seed(args.seed)
     model = build_model(model_section, model_options, path)
     _check_model_fits_data(model.config, config.get("data", {}), data["tokenizer"], path)

@@ -30,6 +30,7 @@ from ..data.collator import DATA_STATE_KEY, DLMDataCollator
 from .elbo import elbo_nll
 from ..parallel.float8_delayed import float8_state_dict, load_float8_state_dict
 from .objective import MaskedDiffusionObjective
+from .pipeline_training import PipelineTrainingMixin
 from .training_args import DLMTrainingArguments
 
 logger = logging.get_logger(__name__)
@@ -43,7 +44,7 @@ FLOAT8_STATE_NAME = "float8_state_rank{rank}.pt"  # delayed-scaling amax histori
 _STATS = "_dlm_stats"  # per-micro-batch statistics riding along in the batch dict
 
 
-class DLMTrainer(Trainer):
+class DLMTrainer(PipelineTrainingMixin, Trainer):
     """Trainer of `DLMForDiffusionLM` (or any model taking `labels`, `label_weights` and
     `num_items_in_batch`). `objective` defaults to `args.build_objective(model.config)`."""
 
@@ -74,6 +75,7 @@ class DLMTrainer(Trainer):
             parallelize_dlm(model, float8_recipe=args.fp8_recipe, float8_fast_accum=args.fp8_fast_accum,
                             float8_min_features=args.fp8_min_features,
                             low_precision_residual=args.low_precision_residual, compile=args.compile_blocks)
+        model = self._setup_pipeline(model, args, eval_dataset)  # pp_size > 1: this rank's stages only
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)
         self.objective = objective if objective is not None else args.build_objective(model.config)
@@ -84,7 +86,7 @@ class DLMTrainer(Trainer):
         self._data_state = None
         self._pending_weights: list = []
         self._reset_window()
-        self._flops_per_token_fixed = None
+        self._flops_per_token_fixed = None if self._pipeline is None else 6 * self._pipeline.num_parameters
 
     # -- batches ------------------------------------------------------------------------------------
     def _corrupt(self, batch: dict, device, t_group: tuple | None = None) -> dict:
@@ -132,7 +134,10 @@ class DLMTrainer(Trainer):
             state = batch.pop(DATA_STATE_KEY, None)
             if state is not None:
                 self._data_state = state
-            batches.append(self._keyed(batch))
+            batch = self._keyed(batch)
+            if self._pipeline is not None:
+                batch = self._pool_pipeline_batch(batch)
+            batches.append(batch)
         if not batches:
             return batches, None
         t_group = self._antithetic_group(batches, device)
@@ -140,6 +145,9 @@ class DLMTrainer(Trainer):
         num_items = sum(b[_STATS]["items"] for b in batch_samples)
         if self.accelerator.num_processes > 1:
             num_items = self.accelerator.gather(num_items.reshape(1)).sum()
+        if self._pipeline is not None:
+            num_items = num_items / self._pipeline.pp_size  # the pp ranks of a group pooled the same micro-batches
+            self._pipeline_window = batch_samples
         return batch_samples, num_items.clamp(min=1)
 
     def _keyed(self, batch: dict) -> dict:
@@ -195,6 +203,8 @@ class DLMTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._pipeline is not None:
+            return self._pipeline_training_step(model, inputs, num_items_in_batch, _STATS)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._collect_t_buckets()
         return loss
@@ -299,6 +309,9 @@ class DLMTrainer(Trainer):
     # -- evaluation -----------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
         """ELBO bound on the NLL of the evaluation set (nats per scored token, summed over ranks)."""
+        if self._pipeline is not None:
+            raise NotImplementedError("evaluate with pp_size > 1: the ELBO runs the whole model; evaluate a saved "
+                                      "checkpoint with pp_size=1 (the checkpoints load in any layout)")
         start = time.perf_counter()
         dataloader = self.get_eval_dataloader(eval_dataset)
         model = self.accelerator.unwrap_model(self.model)

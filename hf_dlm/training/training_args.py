@@ -102,6 +102,27 @@ class DLMTrainingArguments(TrainingArguments):
                           "are then overwritten as the new run saves). False: `train()` refuses such a folder unless "
                           "resume_from_checkpoint is given."},
     )
+    pp_size: int = field(
+        default=1,
+        metadata={"help": "Pipeline-parallel stages (hf_dlm.parallel.pipeline): the model is cut at decoder-layer "
+                          "boundaries over pp_size processes; the processes left over (world size / pp_size) shard "
+                          "every stage with FSDP2. The pp ranks of a data-parallel group pool the batches they read, so "
+                          "a pipeline micro-batch holds pp_size x per_device_train_batch_size rows, and the "
+                          "gradient_accumulation_steps micro-batches of a step are the schedule's micro-batches."},
+    )
+    pp_schedule: str = field(
+        default="1f1b",
+        metadata={"help": "Pipeline schedule: 'gpipe', '1f1b' (needs gradient_accumulation_steps >= pp_size) or "
+                          "'interleaved_1f1b' (pp_stages_per_rank stages per process, smaller bubble)."},
+    )
+    pp_stages_per_rank: int | None = field(
+        default=None,
+        metadata={"help": "Virtual stages per process with 'interleaved_1f1b' (None: 2); 1 for the others."})
+    pp_split_points: list[int] | None = field(
+        default=None,
+        metadata={"help": "First decoder layer of each stage after the first (pp_size x stages per rank - 1 ascending "
+                          "indices). None: layers spread evenly."},
+    )
     # -- parent defaults changed ------------------------------------------------------------------
     remove_unused_columns: bool = field(
         default=False,
@@ -161,6 +182,29 @@ class DLMTrainingArguments(TrainingArguments):
             fail("low_precision_residual", "False unless bf16 or fp16 is set (it acts under autocast)")
         if not isinstance(self.compile_blocks, bool):
             fail("compile_blocks", "a bool")
+        self._validate_pipeline_fields(fail)
+
+    def _validate_pipeline_fields(self, fail) -> None:
+        from ..parallel.pipeline import PIPELINE_SCHEDULES
+
+        if not isinstance(self.pp_size, int) or self.pp_size < 1:
+            fail("pp_size", "an integer >= 1")
+        if self.pp_schedule not in PIPELINE_SCHEDULES:
+            fail("pp_schedule", f"one of {PIPELINE_SCHEDULES}")
+        if self.pp_size == 1:
+            return
+        # the schedule runs forward and backward itself: what needs the Trainer's own forward / backward is refused
+        if str(getattr(self.eval_strategy, "value", self.eval_strategy)) != "no" or self.load_best_model_at_end:
+            fail("eval_strategy", "'no' with pp_size > 1 (evaluation runs the whole model: evaluate a saved "
+                                  "checkpoint with pp_size=1; the checkpoints load in any layout)")
+        if self.fsdp:
+            fail("fsdp", "empty with pp_size > 1 (accelerate's FSDP wraps the whole model; hf-dlm shards each "
+                         "pipeline stage with FSDP2 over the processes beyond pp_size itself)")
+        if self.fp16:
+            fail("fp16", "False with pp_size > 1 (its loss scaling goes through accelerator.backward, which the "
+                         "pipeline schedule replaces; use bf16)")
+        if self.pp_schedule == "1f1b" and self.gradient_accumulation_steps < self.pp_size:
+            fail("gradient_accumulation_steps", f">= pp_size={self.pp_size} with pp_schedule='1f1b' (its micro-batches)")
 
     def objective_overrides(self) -> dict:
         """The objective fields set explicitly here (None means: keep the preset's value)."""

@@ -55,6 +55,8 @@ _LAZY = {
     "preprocess": ".data.preprocess",
     # parallel
     "parallelize_dlm": ".parallel.parallelize",
+    "ParallelDims": ".parallel.mesh",
+    "plan_layouts": ".parallel.planner",
     "convert_to_float8": ".parallel.float8",
     "precompute_float8_scales": ".parallel.float8",
     "fp8_autocast": ".parallel.float8",

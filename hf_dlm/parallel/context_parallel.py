@@ -24,6 +24,8 @@ balanced. (Causal models work here too, through the all-gather path and an expli
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -62,11 +64,12 @@ def context_parallel_attention(module, query, key, value, attention_mask, scalin
     (B, nkv, L/cp, hd); attention_mask (B, 1, L/cp, L) bool or None. -> (B, L/cp, nh, hd), weights or None."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ..modeling.modeling_dlm import eager_attention_forward
+    from ..modeling.modeling_dlm import eager_attention_forward, sdpa_backend_context
 
     cp = module._context_parallel
     if cp["backend"] == "ring" and attention_mask is None:
-        return _ring_attention(module, query, key, value, cp["mesh"], scaling, dropout)
+        with sdpa_backend_context(module.config.sdpa_backends, query.device):
+            return _ring_attention(module, query, key, value, cp["mesh"], scaling, dropout)
     key = _AllGatherSequence.apply(key, cp["group"])
     value = _AllGatherSequence.apply(value, cp["group"])
     base = cp["implementation"]
@@ -74,7 +77,8 @@ def context_parallel_attention(module, query, key, value, attention_mask, scalin
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~attention_mask, torch.finfo(query.dtype).min)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(base, eager_attention_forward)
-    return attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    with sdpa_backend_context(module.config.sdpa_backends, query.device) if base == "sdpa" else nullcontext():
+        return attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def _ring_attention(module, query, key, value, mesh, scaling, dropout):
@@ -92,7 +96,11 @@ def _ring_attention(module, query, key, value, mesh, scaling, dropout):
 
 def _enable_ring_dispatch() -> None:
     """Route DTensor SDPA to ring attention, without load balancing (see the module docstring)."""
-    from torch.distributed.tensor.experimental._attention import _cp_options, _enable_cp_dtensor_dispatcher
+    try:  # torch >= 2.12 moved the module; the old path stays as a shim there
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _cp_options, _enable_cp_dtensor_dispatcher)
+    except ImportError:
+        from torch.distributed.tensor.experimental._attention import _cp_options, _enable_cp_dtensor_dispatcher
 
     _cp_options.enable_load_balance = False
     _enable_cp_dtensor_dispatcher()

@@ -16,6 +16,7 @@ COMMANDS = {
     "generate": "sample from a DLM with a diffusion sampler",
     "convert": "convert checkpoints between AR / LLaDA / Dream / Megatron layouts and hf-dlm",
     "verify": "compare two checkpoints' logits and fail beyond the tolerance",
+    "plan": "per-GPU memory and communication of every parallel layout (FSDP2 x TP x CP x EP), ranked",
 }
 
 

@@ -144,7 +144,14 @@ class MemoryPlan:
     peak_gib: float
     communication_gib: float
     communication_ms: float
+    tokens_per_step: int
     fits: bool
+
+    @property
+    def communication_ms_per_mtoken(self) -> float:
+        """Communication time per million tokens of the whole job: comparable across layouts, which
+        process different numbers of micro-batches per step (one per data-parallel rank)."""
+        return self.communication_ms / (self.tokens_per_step / 1e6)
 
 
 def plan_layout(shape: ModelShape, layout: Layout, seq_len: int, micro_batch: int, *,
@@ -159,7 +166,8 @@ def plan_layout(shape: ModelShape, layout: Layout, seq_len: int, micro_batch: in
     expert_local = shape.expert_params() / ep
     embed_local = shape.embedding_params() / tp
     local_params = L * (tp_local_layer + expert_local) + embed_local + h  # per rank before FSDP
-    sharded = L * (tp_local_layer + expert_local) / fsdp + (embed_local + h) / fsdp
+    # experts: split over ep, FSDP-sharded over the rest of dp_shard x cp (efsdp): 1 / (dp_shard x cp) in all
+    sharded = L * (tp_local_layer + shape.expert_params()) / fsdp + (embed_local + h) / fsdp
     params = 4 * sharded
     grads = 4 * sharded
     optimizer = 8 * sharded
@@ -188,10 +196,11 @@ def plan_layout(shape: ModelShape, layout: Layout, seq_len: int, micro_batch: in
     def ring(size: int) -> float:
         return (size - 1) / size if size > 1 else 0.0
 
-    local_weights = L * (tp_local_layer + expert_local) + embed_local
+    dense_weights, expert_weights = L * tp_local_layer + embed_local, L * expert_local
     volumes = {"tp": 0.0, "cp": 0.0, "fsdp": 0.0, "replicate": 0.0, "ep": 0.0}
-    volumes["fsdp"] = local_weights * gathered_bytes * ring(fsdp) * 2 + local_weights * 4 * ring(fsdp)
-    volumes["replicate"] = 2 * 4 * local_weights / fsdp * ring(rep)
+    per_weight = gathered_bytes * 2 + 4  # all-gather in forward and backward, fp32 reduce-scatter
+    volumes["fsdp"] = per_weight * (dense_weights * ring(fsdp) + expert_weights * ring(fsdp // ep))
+    volumes["replicate"] = 2 * 4 * (dense_weights + expert_weights * ep) / fsdp * ring(rep)
     recompute = 1.5 if activation_checkpointing else 1.0
     volumes["tp"] = L * 8 * tokens * h * 2 * ring(tp) * recompute + 2 * tokens * h * 4 * ring(tp)
     volumes["cp"] = L * 2 * (2 * tokens * cp * shape.kv_dim / tp * 2) * ring(cp) * recompute
@@ -207,7 +216,9 @@ def plan_layout(shape: ModelShape, layout: Layout, seq_len: int, micro_batch: in
     return MemoryPlan(layout=layout, params_gib=params / GIB, grads_gib=grads / GIB, optimizer_gib=optimizer / GIB,
                       weight_copies_gib=copies / GIB, activations_gib=activations / GIB,
                       transient_gib=(head + gathered) / GIB, peak_gib=peak / GIB, communication_gib=total / GIB,
-                      communication_ms=seconds * 1e3, fits=peak / GIB <= gpu_memory_gib)
+                      communication_ms=seconds * 1e3,
+                      tokens_per_step=layout.dp_replicate * layout.dp_shard * micro_batch * seq_len,
+                      fits=peak / GIB <= gpu_memory_gib)
 
 
 def candidate_layouts(shape: ModelShape, gpus: int, seq_len: int, max_tp: int = 8) -> list[Layout]:
@@ -230,19 +241,21 @@ def candidate_layouts(shape: ModelShape, gpus: int, seq_len: int, max_tp: int = 
 
 
 def plan_layouts(config, gpus: int, seq_len: int, micro_batch: int, **options) -> list[MemoryPlan]:
-    """All layouts for `gpus` GPUs, ranked: layouts that fit first, then by communication time, then peak memory."""
+    """All layouts for `gpus` GPUs, ranked: layouts that fit first, then by communication time per token
+    (compute per token is the same in every layout), then peak memory."""
     shape = ModelShape.from_config(config)
     plans = [plan_layout(shape, layout, seq_len, micro_batch, **options)
              for layout in candidate_layouts(shape, gpus, seq_len)]
-    return sorted(plans, key=lambda p: (not p.fits, p.communication_ms, p.peak_gib))
+    return sorted(plans, key=lambda p: (not p.fits, p.communication_ms_per_mtoken, p.peak_gib))
 
 
 def format_plans(plans: list[MemoryPlan], shape: ModelShape | None = None) -> str:
     header = (f"{'layout':<32} {'params':>7} {'grads':>7} {'optim':>7} {'copies':>7} {'activ':>7} {'transnt':>7} "
-              f"{'peak':>7} {'comm':>8} {'comm ms':>8}  fits")
+              f"{'peak':>7} {'comm':>8} {'comm ms':>8} {'ms/Mtok':>8}  fits")
     lines = [header, "-" * len(header)]
     for p in plans:
         lines.append(f"{p.layout.name():<32} {p.params_gib:7.2f} {p.grads_gib:7.2f} {p.optimizer_gib:7.2f} "
                      f"{p.weight_copies_gib:7.2f} {p.activations_gib:7.2f} {p.transient_gib:7.2f} {p.peak_gib:7.2f} "
-                     f"{p.communication_gib:8.2f} {p.communication_ms:8.1f}  {'yes' if p.fits else 'no'}")
+                     f"{p.communication_gib:8.2f} {p.communication_ms:8.1f} {p.communication_ms_per_mtoken:8.1f}  "
+                     f"{'yes' if p.fits else 'no'}")
     return "\n".join(lines)

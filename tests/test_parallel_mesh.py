@@ -71,14 +71,15 @@ def _worker(rank, init_file, out_file):
     results = {}
     for name, (options, tied, checkpointing) in LAYOUTS.items():
         dims = ParallelDims(world_size=WORLD, **options)
-        mesh = dims.build_mesh("cpu")
+        dims.build_mesh("cpu")
+        mesh = dims.meshes
         model = tiny_model("sdpa", tie_word_embeddings=tied).train()
         if dims.dp_replicate > 1:  # the replicate groups repeat the work: TP or CP alone, on their own meshes
             parallelize_dlm(model, tp_mesh=mesh["tp"] if dims.tp > 1 else None,
                             dp_mesh=mesh["dp_shard_cp"] if dims.cp > 1 else None,
                             cp_mesh=mesh["cp"] if dims.cp > 1 else None)
         else:
-            parallelize_from_dims(model, dims, mesh, activation_checkpointing=checkpointing)
+            parallelize_from_dims(model, dims, activation_checkpointing=checkpointing)
         # data parallel over dp_shard only (the dp_replicate groups of the "tp" / "cp" layouts repeat the work)
         dp_rank, dp = mesh["dp_shard"].get_local_rank(), dims.dp_shard
         rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)

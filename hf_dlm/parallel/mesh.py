@@ -3,15 +3,15 @@
 World mesh dimensions, outermost first: `pp`, `dp_replicate`, `dp_shard`, `cp`, `tp` (tensor parallel
 innermost: its collectives run every layer, so its ranks are neighbours on the fastest links). Every
 dimension is in the mesh even at size 1, so a sub-mesh always exists and adding one is a one-line change.
-Flattened sub-meshes (DeviceMesh `_flatten`, as torchtitan):
+Flattened sub-meshes (DeviceMesh `_flatten`, as torchtitan), kept in `ParallelDims.meshes`:
 
 - `dp` = dp_replicate x dp_shard: ranks that read different data;
 - `dp_shard_cp` = dp_shard x cp: what FSDP2 shards parameters over (CP ranks hold the same weights, so
   they shard them too, and their gradients are summed by the same reduce-scatter);
 - `dp_cp` = dp_replicate x dp_shard x cp: ranks whose losses and gradients are summed;
-- `ep` = part of dp_shard x cp, borrowed for experts (torchtitan's layout): `dp_shard` is split into
-  `dp_shard_mod_ep` x `dp_shard_in_ep`, and `ep` = dp_shard_in_ep x cp. Experts are then FSDP-sharded over
-  `efsdp` = dp_shard_mod_ep (the rest of dp_shard x cp that the experts do not split).
+- `ep` = part of dp_shard x cp, borrowed for experts (torchtitan's layout), in `ParallelDims.expert_meshes`:
+  a second mesh over the same ranks splits `dp_shard` into `efsdp` x `dp_shard_in_ep`, and `ep` =
+  dp_shard_in_ep x cp. Experts are FSDP-sharded over `efsdp` (the rest of dp_shard x cp).
 """
 
 from __future__ import annotations
@@ -85,25 +85,32 @@ class ParallelDims:
         return " x ".join(f"{name}={getattr(self, name)}" for name in DIM_NAMES + ("ep",) if getattr(self, name) > 1) or "single"
 
     def build_mesh(self, device_type: str = "cuda"):
-        """The world `DeviceMesh` with every named and flattened sub-mesh (see the module docstring)."""
+        """The world `DeviceMesh` over (pp, dp_replicate, dp_shard, cp, tp) with the flattened sub-meshes `dp`,
+        `dp_shard_cp` and `dp_cp`; with ep > 1 also `self.expert_meshes` {"ep", "efsdp"} (see the module docstring).
+        accelerate reads the root dimension names (its data loaders give TP / CP ranks the same batches)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        in_ep = self.ep // self.cp if self.ep > 1 else 1
-        names = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
-        shape = (self.pp, self.dp_replicate, self.dp_shard // in_ep, in_ep, self.cp, self.tp)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        mesh["dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp_shard")
-        mesh["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp")
-        mesh["dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("dp_cp")
-        mesh["dp_shard_in_ep", "cp"]._flatten("ep")
-        mesh["dp_shard_mod_ep"]._flatten("efsdp")
+        mesh = init_device_mesh(device_type, tuple(getattr(self, name) for name in DIM_NAMES), mesh_dim_names=DIM_NAMES)
+        self.meshes = {name: mesh[name] for name in DIM_NAMES}
+        for name, dims in (("dp", ("dp_replicate", "dp_shard")), ("dp_shard_cp", ("dp_shard", "cp")),
+                           ("dp_cp", ("dp_replicate", "dp_shard", "cp"))):
+            self.meshes[name] = mesh[dims]._flatten(name)
+        self.expert_meshes = {}
+        if self.ep > 1:  # a second mesh over the same ranks, dp_shard split into (efsdp, the part ep borrows)
+            in_ep = self.ep // self.cp
+            names = ("pp", "dp_replicate", "efsdp", "dp_shard_in_ep", "cp", "tp")
+            shape = (self.pp, self.dp_replicate, self.dp_shard // in_ep, in_ep, self.cp, self.tp)
+            expert_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            self.expert_meshes = {"ep": expert_mesh["dp_shard_in_ep", "cp"]._flatten("ep"),
+                                  "efsdp": expert_mesh["efsdp"]}
+        self.world_mesh = mesh
         return mesh
 
-
-def fsdp_mesh(mesh, dims: ParallelDims):
-    """FSDP2's mesh: 1-D dp_shard x cp, or 2-D (dp_replicate, dp_shard x cp) for HSDP."""
-    return mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
+    def fsdp_mesh(self):
+        """FSDP2's mesh: 1-D dp_shard x cp, or 2-D (dp_replicate, dp_shard x cp) for HSDP."""
+        if self.dp_replicate > 1:
+            return self.world_mesh["dp_replicate", "dp_shard_cp"]
+        return self.meshes["dp_shard_cp"]
 
 
 def build_parallel_dims(args, world_size: int) -> ParallelDims:

@@ -158,7 +158,7 @@ def parallelize_dlm(
         fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
         if gradient_divide_factor is None and cp_mesh is not None and cp_mesh.size() > 1:
             gradient_divide_factor = dp_mesh.size() // cp_mesh.size()
-        if gradient_divide_factor is not None:
+        if gradient_divide_factor is not None and gradient_divide_factor != dp_mesh.size():
             # gloo has no pre-multiplied sum: there, reduce by plain sums and divide afterwards
             sum_only = dist.get_backend(_first_group(dp_mesh)) == "gloo"
             for module in model.modules():
@@ -173,23 +173,15 @@ def _first_group(mesh):
     return mesh.get_group(0) if mesh.ndim > 1 else mesh.get_group()
 
 
-def parallelize_from_dims(model: nn.Module, dims, mesh, **kwargs) -> nn.Module:
-    """`parallelize_dlm` with every sub-mesh taken from the world `mesh` of `dims` (a `mesh.ParallelDims`)."""
-    from .mesh import fsdp_mesh
-
+def parallelize_from_dims(model: nn.Module, dims, **kwargs) -> nn.Module:
+    """`parallelize_dlm` with every sub-mesh taken from `dims` (a `mesh.ParallelDims` whose `build_mesh` ran)."""
+    data_parallel = dims.dp_replicate * dims.dp_shard * dims.cp > 1
     return parallelize_dlm(
         model,
-        dp_mesh=fsdp_mesh(mesh, dims) if dims.fsdp_enabled or dims.dp_replicate > 1 else None,
-        tp_mesh=mesh["tp"] if dims.tp > 1 else None,
-        cp_mesh=mesh["cp"] if dims.cp > 1 else None,
-        ep_mesh=mesh["ep"] if dims.ep > 1 else None,
-        expert_dp_mesh=mesh["efsdp"] if dims.ep > 1 else None,
+        dp_mesh=dims.fsdp_mesh() if data_parallel else None,
+        tp_mesh=dims.meshes["tp"] if dims.tp > 1 else None,
+        cp_mesh=dims.meshes["cp"] if dims.cp > 1 else None,
+        ep_mesh=dims.expert_meshes.get("ep"),
+        expert_dp_mesh=dims.expert_meshes.get("efsdp"),
         **kwargs,
     )
-
-
-def _output_to_autocast_dtype(module, args, output):
-    device_type = output.device.type
-    if torch.is_autocast_enabled(device_type) and output.is_floating_point():
-        return output.to(torch.get_autocast_dtype(device_type))
-    return output

@@ -1,0 +1,84 @@
+"""DLMTrainer under `torchrun` with 4 gloo processes: FSDP2 x TP, FSDP2 x CP, and TP / CP with replicated
+data-parallel groups reproduce the single-process run (logged losses, first-step gradients, parameters);
+a checkpoint saved under FSDP2 x CP resumes under FSDP2 x TP exactly like the uninterrupted run; the final
+`save_model` writes full weights that `from_pretrained` loads. Unsupported layouts are refused up front."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_dlm import DLMForDiffusionLM
+from tests.conftest import tiny_model
+from tests.test_trainer_ddp import _free_port
+from tests.trainer_utils import flat_params, make_args, make_trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def torchrun_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mesh_trainer")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(_free_port()),
+               os.path.join(ROOT, "tests", "parallel_trainer_worker.py"), str(out)]
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return torch.load(out / "results.pt"), out
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """One process, the same global batch (2 data-parallel ranks x 2 samples)."""
+    trainer = make_trainer(tmp_path_factory.mktemp("single"), per_device_train_batch_size=4, max_steps=4,
+                           max_grad_norm=0.5)
+    trainer.train()
+    return {"losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+            "grads": trainer.grads[0], "params": flat_params(trainer.model),
+            "grad_norms": [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]}
+
+
+@pytest.mark.parametrize("layout", ["fsdp x tp", "fsdp x cp", "hsdp x tp", "hsdp x cp"])
+def test_layout_trains_like_one_process(torchrun_results, single_process, layout):
+    run = torchrun_results[0][layout]
+    steps = len(run["losses"])
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(single_process["losses"][:steps]),
+                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(run["grad_norms"]), torch.tensor(single_process["grad_norms"][:steps]),
+                               rtol=1e-5, atol=1e-6)
+    for name, grad in run["grads"].items():
+        torch.testing.assert_close(grad, single_process["grads"][name], rtol=0, atol=1e-5, msg=f"{layout}: {name}")
+    if steps == 4:
+        torch.testing.assert_close(run["params"], single_process["params"], rtol=0, atol=1e-5)
+
+
+def test_resume_across_layouts_equals_the_uninterrupted_run(torchrun_results, single_process):
+    results, out = torchrun_results
+    resumed = results["resumed"]
+    assert len(resumed["losses"]) == 2  # steps 3 and 4, from a model initialised with another seed
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(results["fsdp x tp"]["losses"][2:]),
+                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(resumed["params"], results["fsdp x tp"]["params"], rtol=0, atol=1e-5)
+    assert os.path.isdir(out / "split" / "checkpoint-2" / "dcp")
+    final = DLMForDiffusionLM.from_pretrained(out / "final")
+    torch.testing.assert_close(flat_params(final), resumed["params"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("overrides, model_options, message", [
+    (dict(tp_size=3), {}, "tp_size 3 must divide"),
+    (dict(cp_size=2), dict(attention_mode="block", block_size=4), "attention_mode='block'"),
+    (dict(ep_size=2), {}, "needs a mixture-of-experts model"),
+])
+def test_unsupported_layouts_are_refused(tmp_path, overrides, model_options, message):
+    from hf_dlm.parallel.mesh import ParallelDims
+    from hf_dlm.parallel.trainer_parallel import check_layout_supported
+
+    args = make_args(tmp_path, **overrides)
+    dims = ParallelDims(world_size=2 * overrides.get("tp_size", 1) * overrides.get("cp_size", 1),
+                        tp=overrides.get("tp_size", 1), cp=overrides.get("cp_size", 1), dp_shard=2 // overrides.get("ep_size", 1) * overrides.get("ep_size", 1), ep=overrides.get("ep_size", 1)) \
+        if "ep_size" in overrides else ParallelDims(world_size=overrides.get("tp_size", 1) * overrides.get("cp_size", 1),
+                                                    tp=overrides.get("tp_size", 1), cp=overrides.get("cp_size", 1))
+    with pytest.raises((ValueError, NotImplementedError), match=message.replace("(", r"\(")):
+        check_layout_supported(tiny_model(**model_options), args, dims)

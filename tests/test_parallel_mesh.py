@@ -3,18 +3,15 @@ and the vocabulary-parallel head, context parallel (all-gather KV) with packed d
 chunk edges, FSDP2 x TP and FSDP2 x CP, all reproduce the single-process loss and gradients; the diffusion
 noise is identical on every rank of a TP / CP group."""
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hf_dlm.parallel.mesh import ParallelDims
 from hf_dlm.parallel.parallelize import parallelize_dlm, parallelize_from_dims
 from hf_dlm.training.objective import MaskedDiffusionObjective
 from tests.conftest import MASK_ID, VOCAB, tiny_model
+from tests.distributed_utils import finish, spawn_workers
 
 WORLD, BATCH, LENGTH, STEPS = 4, 4, 16, 2
 # name -> (ParallelDims options, tied embeddings, activation checkpointing)
@@ -94,18 +91,12 @@ def _worker(rank, init_file, out_file):
         dp_ranks = [None] * WORLD
         dist.all_gather_object(dp_ranks, dp_rank)
         results[name] = (losses, grads, gathered, dp_ranks)
-    if rank == 0:
-        torch.save(results, out_file)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, out_file)
 
 
 @pytest.fixture(scope="module")
 def mesh_results():
-    with tempfile.TemporaryDirectory() as folder:
-        out_file = os.path.join(folder, "results.pt")
-        mp.spawn(_worker, args=(os.path.join(folder, "init"), out_file), nprocs=WORLD, join=True)
-        return torch.load(out_file)
+    return spawn_workers(_worker, WORLD)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,9 @@ data-parallel groups reproduce the single-process run (logged losses, first-step
 a checkpoint saved under FSDP2 x CP resumes under FSDP2 x TP exactly like the uninterrupted run; the final
 `save_model` writes full weights that `from_pretrained` loads. Unsupported layouts are refused up front."""
 
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -66,19 +68,18 @@ def test_resume_across_layouts_equals_the_uninterrupted_run(torchrun_results, si
     torch.testing.assert_close(flat_params(final), resumed["params"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("overrides, model_options, message", [
-    (dict(tp_size=3), {}, "tp_size 3 must divide"),
-    (dict(cp_size=2), dict(attention_mode="block", block_size=4), "attention_mode='block'"),
-    (dict(ep_size=2), {}, "needs a mixture-of-experts model"),
+@pytest.mark.parametrize("sizes, model_options, message", [
+    (dict(tp=3), {}, "tp_size 3 must divide num_attention_heads"),
+    (dict(cp=2), dict(attention_mode="block", block_size=4), "attention_mode='block'"),
+    (dict(cp=2), dict(attn_implementation="flex_attention"), "'sdpa' or 'eager'"),
+    (dict(dp_shard=2, ep=2), {}, "needs a mixture-of-experts model"),
+    (dict(pp=2), {}, "pipeline parallel"),
 ])
-def test_unsupported_layouts_are_refused(tmp_path, overrides, model_options, message):
+def test_unsupported_layouts_are_refused(tmp_path, sizes, model_options, message):
     from hf_dlm.parallel.mesh import ParallelDims
     from hf_dlm.parallel.trainer_parallel import check_layout_supported
 
-    args = make_args(tmp_path, **overrides)
-    dims = ParallelDims(world_size=2 * overrides.get("tp_size", 1) * overrides.get("cp_size", 1),
-                        tp=overrides.get("tp_size", 1), cp=overrides.get("cp_size", 1), dp_shard=2 // overrides.get("ep_size", 1) * overrides.get("ep_size", 1), ep=overrides.get("ep_size", 1)) \
-        if "ep_size" in overrides else ParallelDims(world_size=overrides.get("tp_size", 1) * overrides.get("cp_size", 1),
-                                                    tp=overrides.get("tp_size", 1), cp=overrides.get("cp_size", 1))
-    with pytest.raises((ValueError, NotImplementedError), match=message.replace("(", r"\(")):
-        check_layout_supported(tiny_model(**model_options), args, dims)
+    dims = ParallelDims(world_size=math.prod(v for k, v in sizes.items() if k != "ep"), **{"dp_shard": 1, **sizes})
+    model = tiny_model(model_options.pop("attn_implementation", "sdpa"), **model_options)
+    with pytest.raises((ValueError, NotImplementedError), match=re.escape(message)):
+        check_layout_supported(model, make_args(tmp_path), dims)

@@ -4,7 +4,8 @@ and the final parameters (full tensors); every rank runs every trainer (the coll
 
 - "fsdp x tp": dp_shard 2 x tp 2, 4 steps;        - "hsdp x tp": dp_replicate 2 x tp 2, 2 steps;
 - "fsdp x cp": dp_shard 2 x cp 2, 2 steps, saved;  - "hsdp x cp": dp_replicate 2 x cp 2, 2 steps;
-- "resumed":   dp_shard 2 x tp 2 from the fsdp x cp checkpoint (another layout), steps 3-4."""
+- "resumed":   dp_shard 2 x tp 2 from the fsdp x cp checkpoint (another layout), steps 3-4;
+- "yaml":      `hf-dlm train`'s runner on YAML_CONFIG with dp_shard_size 2 x cp_size 2."""
 
 import os
 import sys
@@ -17,6 +18,16 @@ from tests.trainer_utils import StopAfter, make_trainer  # noqa: E402
 LAYOUTS = {"fsdp x tp": dict(dp_shard_size=2, tp_size=2), "fsdp x cp": dict(dp_shard_size=2, cp_size=2),
            "hsdp x tp": dict(dp_replicate_size=2, dp_shard_size=1, tp_size=2),
            "hsdp x cp": dict(dp_replicate_size=2, dp_shard_size=1, cp_size=2)}
+# `hf-dlm train`'s YAML with layout fields (the worker runs it under FSDP2 x CP, the test on one process)
+YAML_CONFIG = """
+model:
+  attn_implementation: sdpa
+  config: {vocab_size: 99, mask_token_id: 98, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,
+           num_attention_heads: 4, num_key_value_heads: 2, qk_norm: true, max_position_embeddings: 64}
+data: {kind: random, seq_len: 16, num_samples: 32}
+training: {output_dir: OUT, use_cpu: true, max_steps: 3, per_device_train_batch_size: 2, learning_rate: 1.0e-2,
+           logging_steps: 1, save_strategy: "no", report_to: none, seed: 0, dataloader_num_workers: 0}
+"""
 COMMON = dict(per_device_train_batch_size=2, max_steps=4, max_grad_norm=0.5, ddp_backend="gloo")
 
 
@@ -46,10 +57,41 @@ def main(out_dir: str) -> None:
     resumed.train(resume_from_checkpoint=os.path.join(out_dir, "split", "checkpoint-2"))
     results["resumed"] = record(resumed, after_step=2)
     resumed.save_model(os.path.join(out_dir, "final"))  # full weights, gathered
-    if resumed.args.process_index == 0:
+    rank = resumed.args.process_index
+    results["yaml"] = run_yaml(out_dir, rank, ["training.dp_shard_size=2", "training.cp_size=2"])
+    if rank == 0:  # (run_pretraining has left the process group)
         torch.save(results, os.path.join(out_dir, "results.pt"))
-    resumed.accelerator.wait_for_everyone()
-    torch.distributed.destroy_process_group()
+
+
+def run_yaml(out_dir: str, rank: int, overrides: list) -> list:
+    """`hf-dlm train`'s runner on YAML_CONFIG; returns the logged losses."""
+    from hf_dlm.training.runner import run_pretraining
+
+    path = os.path.join(out_dir, f"mesh_rank{rank}.yaml")
+    with open(path, "w") as f:
+        f.write(YAML_CONFIG.replace("OUT", os.path.join(out_dir, "yaml_run")))
+    losses = []
+    from transformers import TrainerCallback
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    from hf_dlm.training import trainer as trainer_module
+
+    original = trainer_module.DLMTrainer.__init__
+
+    def init_with_callback(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.add_callback(Losses())
+
+    trainer_module.DLMTrainer.__init__ = init_with_callback
+    try:
+        run_pretraining(path, overrides)
+    finally:
+        trainer_module.DLMTrainer.__init__ = original
+    return losses
 
 
 if __name__ == "__main__":

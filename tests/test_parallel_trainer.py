@@ -56,6 +56,31 @@ def test_layout_trains_like_one_process(torchrun_results, single_process, layout
         torch.testing.assert_close(run["params"], single_process["params"], rtol=0, atol=1e-5)
 
 
+def test_yaml_config_runs_the_layout_like_one_process(torchrun_results, tmp_path):
+    from tests.parallel_trainer_worker import run_yaml
+
+    single = run_yaml(str(tmp_path), 0, ["training.per_device_train_batch_size=4"])
+    assert len(single) == 3
+    torch.testing.assert_close(torch.tensor(torchrun_results[0]["yaml"]), torch.tensor(single), rtol=0, atol=1e-5)
+
+
+def test_parallel_dims_from_arguments_and_accelerate():
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hf_dlm.parallel.mesh import ParallelDims, build_parallel_dims
+
+    assert ParallelDims(world_size=8, tp=2, cp=2).dp_shard == 2
+    with pytest.raises(ValueError, match="must equal the world size 8"):
+        ParallelDims(world_size=8, dp_shard=3, tp=2)
+    with pytest.raises(ValueError, match="ep .3. borrows from dp_shard x cp"):
+        ParallelDims(world_size=4, dp_shard=2, cp=2, ep=3)
+    assert ParallelDims(world_size=4, dp_shard=2, cp=2, ep=4).ep == 4
+    dims = ParallelDims.from_parallelism_config(ParallelismConfig(dp_shard_size=2, tp_size=2, cp_size=2), 8)
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == (1, 2, 2, 2)
+    args = make_args("unused", tp_size=2, cp_size=2)
+    assert build_parallel_dims(args, 8).dp_shard == 2 and build_parallel_dims(args, 8).describe() == "dp_shard=2 x cp=2 x tp=2"
+
+
 def test_resume_across_layouts_equals_the_uninterrupted_run(torchrun_results, single_process):
     results, out = torchrun_results
     resumed = results["resumed"]

@@ -10,7 +10,8 @@
 6. FSDP2 `fully_shard` per decoder layer, then the root, with a `MixedPrecisionPolicy`, over
    dp_shard x cp (2-D with dp_replicate: HSDP), composed with the TP DTensors.
 
-`parallelize_from_dims(model, dims, mesh)` picks every sub-mesh from one `mesh.ParallelDims` world mesh.
+`parallelize_from_dims(model, dims)` picks every sub-mesh from one `mesh.ParallelDims` world mesh; DLMTrainer
+calls it for layouts in its arguments (`trainer_parallel`).
 
 Used directly where accelerate cannot (accelerate's FSDP does not run on CPU, and this is what the
 multi-process CPU tests run), and by the trainer for float8 / compile / checkpointing before
@@ -54,7 +55,7 @@ def parallelize_dlm(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Apply float8, tensor parallel, activation checkpointing, per-block compile and FSDP2 in place.
+    """Apply float8, tensor / expert / context parallel, activation checkpointing, per-block compile and FSDP2 in place.
 
     model: a `DLMForDiffusionLM` (or anything with `model.model.layers`), unsharded, any device.
     dp_mesh: `DeviceMesh` that FSDP2 shards over (1-D, or 2-D (replicate, shard) for HSDP); default (with
@@ -185,3 +186,10 @@ def parallelize_from_dims(model: nn.Module, dims, **kwargs) -> nn.Module:
         expert_dp_mesh=dims.expert_meshes.get("efsdp"),
         **kwargs,
     )
+
+
+def _output_to_autocast_dtype(module, args, output):
+    device_type = output.device.type
+    if torch.is_autocast_enabled(device_type) and output.is_floating_point():
+        return output.to(torch.get_autocast_dtype(device_type))
+    return output

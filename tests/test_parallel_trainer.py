@@ -92,6 +92,13 @@ def test_resume_across_layouts_equals_the_uninterrupted_run(torchrun_results, si
     final = DLMForDiffusionLM.from_pretrained(out / "final")
     torch.testing.assert_close(flat_params(final), resumed["params"], rtol=0, atol=0)
 
+    # the same checkpoint into one process (no mesh): the same steps 3 and 4
+    single = make_trainer(out / "split", model_seed=1, per_device_train_batch_size=4, max_steps=4, max_grad_norm=0.5)
+    single.train(resume_from_checkpoint=str(out / "split" / "checkpoint-2"))
+    losses = [log["loss"] for log in single.state.log_history if "loss" in log and log["step"] > 2]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(results["fsdp x tp"]["losses"][2:]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(flat_params(single.model), resumed["params"], rtol=0, atol=1e-5)
+
 
 @pytest.mark.parametrize("sizes, model_options, message", [
     (dict(tp=3), {}, "tp_size 3 must divide num_attention_heads"),

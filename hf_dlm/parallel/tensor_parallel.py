@@ -58,6 +58,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     })
     if tied:  # both are Shard(0) of the same (V, H) matrix: one parameter again
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.lm_head.vocab_parallel_loss = vocab_parallel_weighted_cross_entropy  # read by modeling.loss.masked_lm_loss
 
     layers = model.model.layers
     for index, layer in enumerate(layers):

@@ -138,6 +138,10 @@ def save_sharded_checkpoint(model, optimizer, output_dir: str) -> None:
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(output_dir, DCP_DIR))
 
 
+def has_sharded_checkpoint(checkpoint_dir: str) -> bool:
+    return os.path.isdir(os.path.join(checkpoint_dir, DCP_DIR))
+
+
 def load_sharded_checkpoint(model, optimizer, checkpoint_dir: str) -> None:
     """Load `checkpoint_dir/dcp` into `model` and `optimizer`, whatever layout saved it (DCP reshards)."""
     import torch.distributed.checkpoint as dcp

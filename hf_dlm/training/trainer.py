@@ -30,8 +30,9 @@ from transformers.utils import logging
 from ..data.collator import DATA_STATE_KEY, DLMDataCollator
 from .elbo import elbo_nll
 from ..parallel.float8_delayed import float8_state_dict, load_float8_state_dict
-from ..parallel.trainer_parallel import (install_accelerator_hooks, load_scheduler_state, load_sharded_checkpoint,
-                                         save_full_model, save_sharded_checkpoint, setup_parallel_training)
+from ..parallel.trainer_parallel import (has_sharded_checkpoint, install_accelerator_hooks, load_scheduler_state,
+                                         load_sharded_checkpoint, save_full_model, save_sharded_checkpoint,
+                                         setup_parallel_training)
 from .objective import MaskedDiffusionObjective
 from .training_args import DLMTrainingArguments
 
@@ -332,12 +333,13 @@ class DLMTrainer(Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        if self._parallel is None:
+        if self._parallel is None and not has_sharded_checkpoint(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         # loaded with the optimizer (_load_optimizer_and_scheduler), once it exists
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if self._parallel is None or checkpoint is None:
+        # a mesh checkpoint loads into any layout, one process included
+        if checkpoint is None or (self._parallel is None and not has_sharded_checkpoint(checkpoint)):
             return super()._load_optimizer_and_scheduler(checkpoint)
         load_sharded_checkpoint(self.model, self.optimizer.optimizer, checkpoint)
         load_scheduler_state(self.lr_scheduler, self.optimizer, os.path.join(checkpoint, SCHEDULER_NAME))

@@ -40,7 +40,9 @@ def record(trainer, after_step=0):
     return {"losses": [log["loss"] for log in trainer.state.log_history if "loss" in log and log["step"] > after_step],
             "grads": {name: full(grad) for name, grad in trainer.grads[0].items()} if trainer.grads else None,
             "params": torch.cat([full(p).reshape(-1) for p in model.parameters()]),
-            "grad_norms": [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]}
+            "grad_norms": [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log],
+            "statistics": [{k: v for k, v in log.items() if k.startswith("ce_t/") or k == "masked_fraction"}
+                           for log in trainer.state.log_history if "loss" in log and log["step"] > after_step]}
 
 
 def main(out_dir: str) -> None:

@@ -39,7 +39,9 @@ def single_process(tmp_path_factory):
     trainer.train()
     return {"losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
             "grads": trainer.grads[0], "params": flat_params(trainer.model),
-            "grad_norms": [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]}
+            "grad_norms": [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log],
+            "statistics": [{k: v for k, v in log.items() if k.startswith("ce_t/") or k == "masked_fraction"}
+                           for log in trainer.state.log_history if "loss" in log]}
 
 
 @pytest.mark.parametrize("layout", ["fsdp x tp", "fsdp x cp", "hsdp x tp", "hsdp x cp"])
@@ -52,6 +54,11 @@ def test_layout_trains_like_one_process(torchrun_results, single_process, layout
                                rtol=1e-5, atol=1e-6)
     for name, grad in run["grads"].items():
         torch.testing.assert_close(grad, single_process["grads"][name], rtol=0, atol=1e-5, msg=f"{layout}: {name}")
+    # logged statistics (masked fraction, masked-token CE by t bucket) count each sample once
+    for logged, expected in zip(run["statistics"], single_process["statistics"]):
+        assert logged.keys() == expected.keys() and "masked_fraction" in logged
+        torch.testing.assert_close(torch.tensor(list(logged.values())), torch.tensor(list(expected.values())),
+                                   rtol=1e-4, atol=1e-5)
     if steps == 4:
         torch.testing.assert_close(run["params"], single_process["params"], rtol=0, atol=1e-5)
 

@@ -191,7 +191,7 @@ class DLMTrainer(Trainer):
         self._add("tokens", tokens)
         self._add("flops", tokens * self._flops_per_token(stats["length"]))
         if stats["masked_rows"] is not None:
-            self._add("masked", stats["masked_rows"].sum())
+            self._add("masked", stats["masked_rows"].sum() / (self._parallel.replicas if self._parallel else 1))
         if track_t:
             self._pending_weights.append((inputs["label_weights"], stats["t"], stats["masked_rows"],
                                           normaliser, loss_scale))
@@ -206,6 +206,8 @@ class DLMTrainer(Trainer):
             if getattr(self.accelerator, "scaler", None) is not None:
                 grad_scale = grad_scale * self.accelerator.scaler.get_scale()
             ce_rows = weights.grad.double().sum(1) * normaliser.double() / grad_scale  # (B,)
+            if self._parallel is not None:  # TP ranks repeat these sums; CP ranks each hold a chunk's share
+                ce_rows, masked_rows = ce_rows / self._parallel.dims.tp, masked_rows / self._parallel.replicas
             bucket = (t * n).long().clamp(0, n - 1)
             self._add("ce_sum", torch.zeros(n, dtype=torch.float64, device=ce_rows.device).index_add(0, bucket, ce_rows))
             self._add("ce_count", torch.zeros(n, dtype=torch.float64, device=ce_rows.device)

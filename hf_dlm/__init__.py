@@ -63,6 +63,8 @@ _LAZY = {
     # parallel
     "parallelize_dlm": ".parallel.parallelize",
     "apply_expert_parallel": ".parallel.expert_parallel",
+    "ParallelDims": ".parallel.mesh",
+    "plan_layouts": ".parallel.planner",
     "convert_to_float8": ".parallel.float8",
     "precompute_float8_scales": ".parallel.float8",
     "fp8_autocast": ".parallel.float8",

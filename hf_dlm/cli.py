@@ -21,6 +21,7 @@ COMMANDS = {
     "verify": "compare two checkpoints' logits and fail beyond the tolerance",
     "serve": "serve a DLM over an OpenAI-compatible HTTP API with continuous batching",
     "eval": "evaluate a DLM with lm-evaluation-harness (loglikelihood by the Monte Carlo ELBO)",
+    "plan": "per-GPU memory and communication of every parallel layout (FSDP2 x TP x CP x EP), ranked",
 }
 
 

@@ -1,17 +1,14 @@
 """parallelize_dlm on CPU: FSDP2 and tensor parallel over 2 gloo processes reproduce the single-process loss
 and gradients; activation checkpointing and per-block compile change no numbers, names or attention."""
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hf_dlm.training.objective import MaskedDiffusionObjective
 from hf_dlm.parallel.parallelize import parallelize_dlm
 from tests.conftest import MASK_ID, VOCAB, tiny_model
+from tests.distributed_utils import finish, spawn_workers
 
 BATCH, LENGTH, STEPS = 4, 12, 2
 FLOAT8_MIN = 32  # q/o and the MLP of tiny_model (hidden 32, ffn 64) go to float8, k/v (32 -> 16) stay
@@ -49,7 +46,7 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach().clone()
 
 
-def _worker(rank, world_size, init_file, out_file):
+def _worker(rank, init_file, out_file, world_size):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -89,18 +86,12 @@ def _worker(rank, world_size, init_file, out_file):
     # tensor parallel: every rank sees the whole batch, each holds half of the heads and MLP columns
     model = parallelize_dlm(tiny_model("sdpa").train(), tp_mesh=mesh)
     results["tp"] = _train(model)
-    if rank == 0:
-        torch.save(results, out_file)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, out_file)
 
 
 @pytest.fixture(scope="module")
 def distributed_results():
-    with tempfile.TemporaryDirectory() as folder:
-        out_file = os.path.join(folder, "results.pt")
-        mp.spawn(_worker, args=(2, os.path.join(folder, "init"), out_file), nprocs=2, join=True)
-        return torch.load(out_file)
+    return spawn_workers(_worker, 2, 2)
 
 
 @pytest.fixture(scope="module")

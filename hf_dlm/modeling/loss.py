@@ -186,6 +186,11 @@ def masked_lm_loss(
         scale = label_weights.reshape(-1).index_select(0, selected).float() / normaliser
     else:
         scale = torch.ones(selected.numel(), device=hidden.device) / normaliser
+    # a vocabulary-sharded head: hf_dlm.parallel.tensor_parallel sets its loss on the module (no import here,
+    # so the exported remote code stays free of hf-dlm's parallel package)
+    vocab_parallel_loss = getattr(lm_head, "vocab_parallel_loss", None)
+    if vocab_parallel_loss is not None:
+        return vocab_parallel_loss(hidden, lm_head.weight, targets, scale, chunk_size), count
     loss = weighted_linear_cross_entropy(
         hidden, lm_head.weight, targets, scale, lm_head.bias, chunk_size, compiled, grad_in_forward
     )

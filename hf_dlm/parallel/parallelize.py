@@ -1,11 +1,17 @@
 """Parallelism and speed-ups applied to a plain `DLMForDiffusionLM`, in torchtitan's order:
 
 1. float8 conversion (a converter: it swaps modules, so it must see the unsharded model);
-2. tensor parallel (DTensor `parallelize_module` with the config's `base_model_tp_plan`);
-3. activation checkpointing, one checkpoint per decoder layer;
-4. per-block `torch.compile` (regional compilation: identical decoder layers reuse one compiled graph,
+2. tensor parallel with sequence-parallel norms and a vocabulary-parallel head (`tensor_parallel`),
+   then expert parallel of MoE layers (`expert_parallel`, over the `ep` mesh);
+3. context parallel (`context_parallel`: the model takes whole sequences and runs its chunk);
+4. activation checkpointing, one checkpoint per decoder layer;
+5. per-block `torch.compile` (regional compilation: identical decoder layers reuse one compiled graph,
    so 28 layers compile about as fast as one);
-5. FSDP2 `fully_shard` per decoder layer, then the root, with a `MixedPrecisionPolicy`.
+6. FSDP2 `fully_shard` per decoder layer, then the root, with a `MixedPrecisionPolicy`, over
+   dp_shard x cp (2-D with dp_replicate: HSDP), composed with the TP DTensors.
+
+`parallelize_from_dims(model, dims)` picks every sub-mesh from one `mesh.ParallelDims` world mesh; DLMTrainer
+calls it for layouts in its arguments (`trainer_parallel`).
 
 Used directly where accelerate cannot (accelerate's FSDP does not run on CPU, and this is what the
 multi-process CPU tests run), and by the trainer for float8 / compile / checkpointing before
@@ -17,17 +23,12 @@ and loads with `save_pretrained` / `from_pretrained` key names.
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .float8 import convert_to_float8
-
-# base_model_tp_plan strings -> torch.distributed.tensor.parallel styles; "replicated_with_grad_allreduce"
-# layers (per-head q/k norms) keep a full weight whose gradient is summed over the tensor-parallel group
-_TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+from .tensor_parallel import apply_tensor_parallel
 
 
 def parallelize_dlm(
@@ -35,8 +36,13 @@ def parallelize_dlm(
     *,
     dp_mesh=None,
     tp_mesh=None,
+    cp_mesh=None,
     ep_mesh=None,
+    expert_dp_mesh=None,
     fsdp: bool = False,
+    sequence_parallel: bool = True,
+    cp_backend: str = "all_gather",
+    gradient_divide_factor: float | None = None,
     float8_recipe: str | None = None,
     float8_min_features: int = 2048,
     float8_fast_accum: bool = False,
@@ -49,18 +55,25 @@ def parallelize_dlm(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Apply float8, tensor parallel, activation checkpointing, per-block compile and FSDP2 in place.
+    """Apply float8, tensor / expert / context parallel, activation checkpointing, per-block compile and FSDP2 in place.
 
     model: a `DLMForDiffusionLM` (or anything with `model.model.layers`), unsharded, any device.
-    dp_mesh: 1-D `DeviceMesh` that FSDP2 shards over; default (with `fsdp=True`): all ranks of the
-        default process group on the model's device type.
-    tp_mesh: 1-D `DeviceMesh` for tensor parallel; None = no tensor parallel. Attention and KV heads
-        must divide by its size. Not combined with FSDP here (that needs a 2-D mesh; use one or the other).
+    dp_mesh: `DeviceMesh` that FSDP2 shards over (1-D, or 2-D (replicate, shard) for HSDP); default (with
+        `fsdp=True`): all ranks of the default process group on the model's device type. With context
+        parallel it must include the CP ranks (`dp_shard_cp`): they hold the same weights.
+    tp_mesh: 1-D `DeviceMesh` for tensor parallel; None = none. Attention and KV heads must divide by its
+        size. With a dp_mesh, both must be slices of one world mesh (`mesh.ParallelDims.build_mesh`).
+    cp_mesh: 1-D `DeviceMesh` for context parallel (`context_parallel.apply_context_parallel`, backend
+        `cp_backend`: "all_gather" or "ring"); the model then takes whole sequences on every CP rank.
+        Its gradients are summed over the CP ranks by FSDP2, which context parallel therefore needs.
     ep_mesh: 1-D `DeviceMesh` for expert parallelism (`expert_parallel.apply_expert_parallel`): MoE experts
         sharded over it, tokens dispatched by all-to-all. With FSDP, the experts stay out of `fully_shard`
         and `ep_mesh` must span the same ranks as `dp_mesh` (EP borrows the data-parallel ranks).
-    fsdp: shard parameters, gradients and optimizer state with FSDP2 `fully_shard` (one unit per decoder
-        layer, plus the root for embeddings, final norm and head). Implied by passing `dp_mesh`.
+    expert_dp_mesh: torchtitan's `efsdp` (the data-parallel ranks beyond EP, over which experts would be
+        FSDP-sharded); only a 1-rank one is supported yet, larger ones are refused.
+    sequence_parallel: with tp_mesh, keep the residual stream split along the sequence between layers.
+    gradient_divide_factor: FSDP2's gradient divisor; default: the number of data-parallel ranks (so CP
+        ranks' gradients are summed and data-parallel ones averaged). 1 sums over every rank.
     float8_recipe: None (off), a torchao recipe ("tensorwise", "rowwise") or "delayed" (hf-dlm's delayed
         scaling, `float8_delayed`): float8 training for linears whose in and out features are both at least
         `float8_min_features` (`lm_head` never). Needs an sm_89+ GPU; "delayed" is not combined with tp_mesh.
@@ -82,12 +95,9 @@ def parallelize_dlm(
     """
     layers = model.model.layers
     fsdp = fsdp or dp_mesh is not None
-    if fsdp and tp_mesh is not None:
-        raise NotImplementedError(
-            "parallelize_dlm: tp_mesh together with FSDP needs a 2-D mesh with DTensor-aware norms, "
-            "which is not built yet; use tensor parallel or FSDP"
-        )
-
+    if cp_mesh is not None and cp_mesh.size() > 1 and not fsdp:
+        raise ValueError("parallelize_dlm: context parallel needs FSDP2 (dp_mesh over dp_shard x cp) to sum the "
+                         "context-parallel ranks' gradients")
     if float8_recipe == "delayed" and tp_mesh is not None:
         raise NotImplementedError("parallelize_dlm: float8_recipe='delayed' does not take DTensor weights; "
                                   "with tp_mesh use a torchao recipe ('tensorwise' or 'rowwise')")
@@ -102,19 +112,29 @@ def parallelize_dlm(
         if getattr(embeddings, "_autocast_output_hook", None) is None:
             embeddings._autocast_output_hook = embeddings.register_forward_hook(_output_to_autocast_dtype)
 
-    # 2. tensor parallel over the decoder layers
+    # 2. tensor parallel over the decoder layers, then expert parallel of MoE layers
     if tp_mesh is not None:
-        apply_tensor_parallel(model, tp_mesh)
+        apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
 
     # 2b. expert parallel: experts sharded over ep_mesh before FSDP sees the model
     ignored_params = set()
     if ep_mesh is not None:
         from .expert_parallel import apply_expert_parallel, expert_parameters
 
+        if expert_dp_mesh is not None and expert_dp_mesh.size() > 1:
+            raise NotImplementedError(
+                "parallelize_dlm: experts FSDP-sharded over further data-parallel ranks (efsdp of size "
+                f"{expert_dp_mesh.size()}, torchtitan's dp_shard_mod_ep) are not built yet; use ep_size = dp_shard x cp")
         apply_expert_parallel(model, ep_mesh)
         ignored_params = set(expert_parameters(model))
 
-    # 3. activation checkpointing through the layers' own GradientCheckpointingLayer hook, so that
+    # 3. context parallel: a pre-hook slices the whole-sequence inputs to this rank's chunk
+    if cp_mesh is not None and cp_mesh.size() > 1:
+        from .context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, cp_mesh, backend=cp_backend)
+
+    # 4. activation checkpointing through the layers' own GradientCheckpointingLayer hook, so that
     #    parameter names stay as saved (a checkpoint_wrapper would insert `_checkpoint_wrapped_module.`)
     if activation_checkpointing:
         kwargs = {"use_reentrant": False}
@@ -123,14 +143,14 @@ def parallelize_dlm(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
-    # 4. regional compile: in place, so state-dict keys keep no `_orig_mod.` prefix
+    # 5. regional compile: in place, so state-dict keys keep no `_orig_mod.` prefix
     if compile:
         for layer in layers:
             layer.compile(**(compile_options or {}))
         if hasattr(model, "compile_loss_head"):  # the masked head's linear + cross-entropy chunks too
             model.compile_loss_head = True
 
-    # 5. FSDP2: each decoder layer is one all-gather / reduce-scatter unit, the root holds the rest
+    # 6. FSDP2: each decoder layer is one all-gather / reduce-scatter unit, the root holds the rest
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -153,7 +173,35 @@ def parallelize_dlm(
             reshard = reshard_after_forward and index < len(layers) - 1
             fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard, **shard_options)
         fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False, **shard_options)
+        if gradient_divide_factor is None and cp_mesh is not None and cp_mesh.size() > 1:
+            gradient_divide_factor = dp_mesh.size() // cp_mesh.size()
+        if gradient_divide_factor is not None and gradient_divide_factor != dp_mesh.size():
+            # gloo has no pre-multiplied sum: there, reduce by plain sums and divide afterwards
+            sum_only = dist.get_backend(_first_group(dp_mesh)) == "gloo"
+            for module in model.modules():
+                if hasattr(module, "set_gradient_divide_factor"):
+                    module.set_gradient_divide_factor(float(gradient_divide_factor))
+                    if sum_only:
+                        module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _first_group(mesh):
+    return mesh.get_group(0) if mesh.ndim > 1 else mesh.get_group()
+
+
+def parallelize_from_dims(model: nn.Module, dims, **kwargs) -> nn.Module:
+    """`parallelize_dlm` with every sub-mesh taken from `dims` (a `mesh.ParallelDims` whose `build_mesh` ran)."""
+    data_parallel = dims.dp_replicate * dims.dp_shard * dims.cp > 1
+    return parallelize_dlm(
+        model,
+        dp_mesh=dims.fsdp_mesh() if data_parallel else None,
+        tp_mesh=dims.meshes["tp"] if dims.tp > 1 else None,
+        cp_mesh=dims.meshes["cp"] if dims.cp > 1 else None,
+        ep_mesh=dims.expert_meshes.get("ep"),
+        expert_dp_mesh=dims.expert_meshes.get("efsdp"),
+        **kwargs,
+    )
 
 
 def _output_to_autocast_dtype(module, args, output):
@@ -161,43 +209,3 @@ def _output_to_autocast_dtype(module, args, output):
     if torch.is_autocast_enabled(device_type) and output.is_floating_point():
         return output.to(torch.get_autocast_dtype(device_type))
     return output
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
-    """Shard the decoder layers with DTensor following `config.base_model_tp_plan` (Megatron layout:
-    q/k/v and gate/up column-wise, o/down row-wise, one all-reduce after attention and one after the
-    MLP). Embeddings, norms and the head stay replicated; their gradients come out identical on every
-    rank because the column-wise layers all-reduce their input gradients."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    config = model.config
-    size = tp_mesh.size()
-    if config.num_attention_heads % size or config.num_key_value_heads % size:
-        raise ValueError(
-            f"tensor parallel size {size} must divide num_attention_heads ({config.num_attention_heads}) "
-            f"and num_key_value_heads ({config.num_key_value_heads})"
-        )
-    plan, replicated = {}, []
-    for pattern, style in config.base_model_tp_plan.items():
-        if style not in _TP_STYLES:
-            raise ValueError(f"base_model_tp_plan[{pattern!r}] = {style!r}: parallelize_dlm knows {_TP_STYLES}")
-        if style == "colwise":
-            plan[pattern] = ColwiseParallel()
-        elif style == "rowwise":
-            plan[pattern] = RowwiseParallel()
-        else:
-            replicated.append(pattern)
-    parallelize_module(model.model, tp_mesh, plan)
-
-    # per-head norms see only this rank's heads: sum each backward's weight gradient over the group
-    # (a tensor hook, before accumulation, so gradient accumulation stays right)
-    group = tp_mesh.get_group()
-
-    def sum_over_group(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    for name, parameter in model.model.named_parameters():
-        if any(fnmatch.fnmatch(name.rsplit(".", 1)[0], pattern) for pattern in replicated):
-            parameter.register_hook(sum_over_group)

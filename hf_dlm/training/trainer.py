@@ -23,12 +23,16 @@ import time
 import torch
 from torch.utils.data import Dataset, IterableDataset
 from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 from transformers.utils import logging
 
 from ..data.collator import DATA_STATE_KEY, DLMDataCollator
 from .elbo import elbo_nll
 from ..parallel.float8_delayed import float8_state_dict, load_float8_state_dict
+from ..parallel.trainer_parallel import (has_sharded_checkpoint, install_accelerator_hooks, load_scheduler_state,
+                                         load_sharded_checkpoint, save_full_model, save_sharded_checkpoint,
+                                         setup_parallel_training)
 from .objective import MaskedDiffusionObjective
 from .pipeline_training import PipelineTrainingMixin
 from .training_args import DLMTrainingArguments
@@ -68,7 +72,9 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
             if args.dataloader_num_workers > 1:
                 logger.warning("the position of an iterable train dataset is exact with dataloader_num_workers <= 1: "
                                "each worker holds its own copy of the stream")
-        if args.compile_blocks or args.fp8_recipe or args.low_precision_residual:
+        # a device-mesh layout (tp_size, cp_size, dp_shard_size, ...): parallelised here, not by accelerate
+        self._parallel = setup_parallel_training(model, args)
+        if self._parallel is None and (args.compile_blocks or args.fp8_recipe or args.low_precision_residual):
             # before accelerate wraps the model (DDP / FSDP2): torchtitan's order, float8 then compile
             from ..parallel.parallelize import parallelize_dlm
 
@@ -78,6 +84,8 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
         model = self._setup_pipeline(model, args, eval_dataset)  # pp_size > 1: this rank's stages only
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)
+        if self._parallel is not None:
+            install_accelerator_hooks(self.accelerator, self._parallel)
         self.objective = objective if objective is not None else args.build_objective(model.config)
         # our loss is normalised over the whole accumulated, global batch: never divide it again
         self.model_accepts_loss_kwargs = True
@@ -145,6 +153,8 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
         num_items = sum(b[_STATS]["items"] for b in batch_samples)
         if self.accelerator.num_processes > 1:
             num_items = self.accelerator.gather(num_items.reshape(1)).sum()
+            if self._parallel is not None:  # the TP / CP ranks of a data-parallel group counted the same batch
+                num_items = num_items / self._parallel.replicas
         if self._pipeline is not None:
             num_items = num_items / self._pipeline.pp_size  # the pp ranks of a group pooled the same micro-batches
             self._pipeline_window = batch_samples
@@ -182,7 +192,7 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
             num_items_in_batch = stats["items"].clamp(min=1)
         elif self.accelerator.num_processes > 1:
             # the normaliser is global and gradients are averaged over ranks: undo the average
-            loss_scale = self.accelerator.num_processes
+            loss_scale = self._parallel.loss_scale if self._parallel is not None else self.accelerator.num_processes
         track_t = (model.training and torch.is_grad_enabled() and self.args.t_buckets > 0
                    and stats["t"] is not None and "label_weights" in inputs)
         if track_t:
@@ -230,10 +240,11 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
         return self._flops_per_token_fixed + 12 * config.num_hidden_layers * config.hidden_size * length
 
     def _record(self, stats, inputs, normaliser, loss_scale, track_t):
-        self._add("tokens", stats["tokens"])
-        self._add("flops", stats["tokens"] * self._flops_per_token(stats["length"]))
+        tokens = stats["tokens"] / (self._parallel.replicas if self._parallel is not None else 1)
+        self._add("tokens", tokens)
+        self._add("flops", tokens * self._flops_per_token(stats["length"]))
         if stats["masked_rows"] is not None:
-            self._add("masked", stats["masked_rows"].sum())
+            self._add("masked", stats["masked_rows"].sum() / (self._parallel.replicas if self._parallel else 1))
         if track_t:
             self._pending_weights.append((inputs["label_weights"], stats["t"], stats["masked_rows"],
                                           normaliser, loss_scale))
@@ -248,6 +259,8 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
             if getattr(self.accelerator, "scaler", None) is not None:
                 grad_scale = grad_scale * self.accelerator.scaler.get_scale()
             ce_rows = weights.grad.double().sum(1) * normaliser.double() / grad_scale  # (B,)
+            if self._parallel is not None:  # TP ranks repeat these sums; CP ranks each hold a chunk's share
+                ce_rows, masked_rows = ce_rows / self._parallel.dims.tp, masked_rows / self._parallel.replicas
             bucket = (t * n).long().clamp(0, n - 1)
             self._add("ce_sum", torch.zeros(n, dtype=torch.float64, device=ce_rows.device).index_add(0, bucket, ce_rows))
             self._add("ce_count", torch.zeros(n, dtype=torch.float64, device=ce_rows.device)
@@ -403,6 +416,36 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
 
             write_info(output_dir, training=self.training_details())
             write_model_card(output_dir, self.accelerator.unwrap_model(self.model).config)
+
+    # -- device-mesh checkpoints (torch.distributed.checkpoint; hf_dlm.parallel.trainer_parallel) ---------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self._parallel is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        if _internal_call:  # a checkpoint: the sharded model is saved with the optimizer, in dcp/
+            if self.args.should_save:
+                self.accelerator.unwrap_model(self.model).config.save_pretrained(output_dir)
+            return
+        save_full_model(self.accelerator.unwrap_model(self.model), output_dir, self.args.should_save)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self._parallel is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_sharded_checkpoint(self.model, self.optimizer.optimizer, output_dir)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if self._parallel is None and not has_sharded_checkpoint(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # loaded with the optimizer (_load_optimizer_and_scheduler), once it exists
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # a mesh checkpoint loads into any layout, one process included
+        if checkpoint is None or (self._parallel is None and not has_sharded_checkpoint(checkpoint)):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_sharded_checkpoint(self.model, self.optimizer.optimizer, checkpoint)
+        load_scheduler_state(self.lr_scheduler, self.optimizer, os.path.join(checkpoint, SCHEDULER_NAME))
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         if self._staging_root is not None:

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ..parallel.float8 import FLOAT8_RECIPES as FP8_RECIPES
+from ..parallel.trainer_parallel import ParallelArguments
 from .objective import NORMALIZATIONS, PRESETS, SCHEDULES, T_SAMPLINGS, WEIGHTINGS, MaskedDiffusionObjective
 
 
 @dataclass
-class DLMTrainingArguments(TrainingArguments):
+class DLMTrainingArguments(ParallelArguments, TrainingArguments):  # device-mesh fields: ParallelArguments
     # -- objective -------------------------------------------------------------------------------
     objective_preset: str | None = field(
         default="mdlm",
@@ -138,6 +139,7 @@ class DLMTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         self._validate_dlm_fields()
+        self._validate_layout_fields()
         if self.accelerator_config is None:
             self.accelerator_config = {"dispatch_batches": False}
         elif isinstance(self.accelerator_config, dict):

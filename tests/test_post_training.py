@@ -245,3 +245,22 @@ def test_cli_sft_then_grpo_from_the_example_configs(tmp_path):
     from transformers import AutoModelForMaskedLM
 
     assert AutoModelForMaskedLM.from_pretrained(grpo_dir).config.mask_token_id == 2
+
+
+def test_grpo_refuses_router_losses_it_cannot_add_and_leaves_trl_aux_off_for_dense(tmp_path, tokenizer):
+    """trl switches its MoE auxiliary loss on for any config with a `router_aux_loss_coef` (DLMConfig has one,
+    dense or not); the estimators return no router losses, so a dense DLM trains with trl's aux loss off and an
+    MoE DLM with router-loss coefficients is refused by name."""
+    model = toy_model(tokenizer)
+    model.config.output_router_logits = False  # as trl's SFTTrainer leaves it
+    dense = DiffuGRPOTrainer(model=model, reward_funcs=reversal_reward,
+                             args=grpo_args(tmp_path / "dense", max_steps=1), train_dataset=prompt_dataset(8, 1),
+                             processing_class=tokenizer)
+    assert dense.aux_loss_enabled is False
+    moe = toy_model(tokenizer)
+    moe_config = DLMConfig(**{**moe.config.to_dict(), "num_experts": 2, "num_experts_per_tok": 1,
+                              "moe_intermediate_size": 32})
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0"):
+        DiffuGRPOTrainer(model=DLMForDiffusionLM(moe_config), reward_funcs=reversal_reward,
+                         args=grpo_args(tmp_path / "moe", max_steps=1), train_dataset=prompt_dataset(8, 1),
+                         processing_class=tokenizer)

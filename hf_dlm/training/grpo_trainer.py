@@ -73,7 +73,15 @@ class DiffuGRPOTrainer(GRPOTrainer):
             self.ref_model = self.accelerator.prepare_model(reference, evaluation_mode=True)
             if sync:
                 self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
-        mask_token_id = self.accelerator.unwrap_model(self.model).config.mask_token_id
+        config = self.accelerator.unwrap_model(self.model).config
+        # trl enables its MoE auxiliary loss for any config with `router_aux_loss_coef` (DLMConfig has one); the
+        # estimators return no router losses, so a dense model has none to add and an MoE model is refused
+        if getattr(config, "num_experts", 0) and (config.router_aux_loss_coef or config.router_z_loss_coef):
+            raise ValueError("DiffuGRPOTrainer: the log-probability estimators do not return MoE router losses yet; "
+                             "set router_aux_loss_coef=0 and router_z_loss_coef=0 on the model config to train "
+                             "this mixture-of-experts model without them")
+        self.aux_loss_enabled = False
+        mask_token_id = config.mask_token_id
         self.estimator = build_estimator(args.logp_estimator, mask_token_id, temperature=args.temperature,
                                          **args.estimator_options())
         self._score_all_iterations = False

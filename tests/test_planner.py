@@ -101,11 +101,12 @@ def test_layouts_cover_the_factorisations_and_rank_fitting_first():
     shape = ModelShape.from_config(DLMConfig(**QWEN3_1_7B))
     layouts = candidate_layouts(shape, 8, 4096)
     assert {layout.tp for layout in layouts} == {1, 2, 4, 8}
-    assert all(l.dp_replicate * l.dp_shard * l.cp * l.tp == 8 for l in layouts)
+    assert all(l.dp_replicate * l.dp_shard * l.cp * l.tp * l.pp == 8 for l in layouts)
+    assert {l.pp for l in layouts} == {1, 2, 4, 8}
     plans = plan_layouts(DLMConfig(**QWEN3_1_7B), 8, 4096, 16, gpu_memory_gib=80)
     fits = [plan.fits for plan in plans]
     assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
-    ranked = [plan.communication_ms_per_mtoken for plan in plans if plan.fits]
+    ranked = [(plan.bubble_fraction, plan.communication_ms_per_mtoken) for plan in plans if plan.fits]
     assert ranked == sorted(ranked)
 
 
@@ -115,3 +116,21 @@ def test_plan_command(capsys):
     assert len(rows) == 3 and all(math.prod(r["layout"].values()) / r["layout"]["ep"] == 8 for r in rows)
     assert main(["plan", "examples/configs/qwen3_1.7b_shape.yaml", "--gpus", "2", "--micro-batch", "64"]) == 0
     assert "no layout fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("schedule, in_flight_microbatches", [("1f1b", 2), ("gpipe", 8)])
+def test_pipeline_layout_by_hand(schedule, in_flight_microbatches):
+    """pp=2 of a 28-layer model, 8 micro-batches: the busiest rank holds 14 layers' state (plus embeddings
+    and head), the activations of min(p, m) = 2 (1F1B) or all m = 8 (GPipe) micro-batches of its 14 layers,
+    and the bubble is (p - 1) / (m + p - 1) = 1/9."""
+    shape = ModelShape.from_config(DLMConfig(**QWEN3_1_7B))
+    plan = plan_layout(shape, Layout(1, 1, 1, 1, pp=2), 4096, 1, pp_microbatches=8, pp_schedule=schedule)
+    layer = shape.attention_params() + shape.dense_mlp_params() + 2 * shape.hidden
+    assert plan.params_gib * 1024**3 == pytest.approx(4 * (14 * layer + shape.embedding_params() + shape.hidden))
+    per_layer = shape.layer_activation_bytes(1, 1) * 4096
+    assert plan.activations_gib * 1024**3 == pytest.approx(in_flight_microbatches * 14 * per_layer)
+    assert plan.bubble_fraction == pytest.approx(1 / 9)
+    # ranked after every layout that fits without a pipeline
+    plans = plan_layouts(DLMConfig(**QWEN3_1_7B), 4, 4096, 1)
+    pipelines = [i for i, p in enumerate(plans) if p.layout.pp > 1]
+    assert pipelines and min(pipelines) > max(i for i, p in enumerate(plans) if p.layout.pp == 1 and p.fits)

@@ -25,6 +25,11 @@ def add_arguments(parser):
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--intra-node-gbps", type=float, default=400.0, help="GB/s per GPU inside a node (NVLink)")
     parser.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU between nodes")
+    parser.add_argument("--pp-microbatches", type=int, default=None,
+                        help="micro-batches per step of a pipeline layout (default: the YAML's "
+                             "gradient_accumulation_steps, at least 8)")
+    parser.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), default=None,
+                        help="pipeline schedule of pipeline layouts (default: the YAML's pp_schedule, else 1f1b)")
     parser.add_argument("--top", type=int, default=15, help="show the best N layouts (0: all)")
     parser.add_argument("--json", action="store_true", help="print the plans as JSON lines")
 
@@ -82,7 +87,9 @@ def run(args, prog: str = "hf-dlm plan") -> int:
     plans = plan_layouts(config, args.gpus, seq_len, micro_batch, activation_checkpointing=checkpointing,
                          mixed_precision=args.mixed_precision, loss_chunk_size=getattr(config, "loss_chunk_size", 4096),
                          gpu_memory_gib=args.gpu_memory_gib, gpus_per_node=args.gpus_per_node,
-                         intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps)
+                         intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
+                         pp_microbatches=args.pp_microbatches or max(8, training.get("gradient_accumulation_steps", 1)),
+                         pp_schedule=args.pp_schedule or training.get("pp_schedule", "1f1b"))
     shown = plans[: args.top] if args.top else plans
     if args.json:
         for plan in shown:
@@ -93,7 +100,7 @@ def run(args, prog: str = "hf-dlm plan") -> int:
           f"micro-batch {micro_batch}, activation checkpointing {'on' if checkpointing else 'off'}, "
           f"{args.mixed_precision}; {args.gpus} GPUs of {args.gpu_memory_gib:g} GiB. Memory in GiB per GPU, "
           "communication (GiB, ms) per GPU and optimizer step (one micro-batch per data-parallel rank); ranked: "
-          "fits, then communication time per million tokens.")
+          "fits, then pipeline bubble, then communication time per million tokens.")
     print(format_plans(shown))
     if not any(plan.fits for plan in plans):
         print(f"no layout fits in {args.gpu_memory_gib:g} GiB: try --activation-checkpointing, a smaller "

@@ -16,13 +16,19 @@ autocast with fp32 master weights (the trainer's default) or FSDP2 bf16 paramete
 - the masked-only head's transient: one chunk of masked rows times the (TP-local) vocabulary, about 19
   bytes per logit in eager fp32 softmax work. By default the worst case (a full chunk: t near 1 masks
   every token); `masked_rows` gives the count of a known batch.
+Pipeline layouts (pp x dp_shard, what DLMTrainer runs) take their stage terms from
+`hf_dlm.parallel.pipeline.pipeline_schedule_terms`: the busiest rank holds `layers_per_rank` layers and
+the activations of `in_flight_layers` layer-micro-batches (GPipe all m, 1F1B min(p, m)), plus the
+embeddings and the head (an untied model's first and last stages; counted together as the bound); the
+schedule's bubble is reported and ranks a pipeline after every layout that fits without one.
 The peak is the larger of the end of the forward pass (activations complete, no gradients yet) and the
 backward pass (gradients allocated, one layer's activations live).
 
 Communication per optimizer step and GPU (ring algorithms, bytes sent): FSDP2 all-gathers (forward, and
 backward again when resharded) and gradient reduce-scatter; HSDP's all-reduce; sequence-parallel
 all-gathers and reduce-scatters (4 per layer, forward and backward); context parallel's K/V all-gather
-(and its backward reduce); expert all-to-alls. Times use `intra_node_gbps` for dimensions that fit in a
+(and its backward reduce); expert all-to-alls; pipeline sends (activations forward, their gradients
+backward, at each stage boundary a rank owns). Times use `intra_node_gbps` for dimensions that fit in a
 node (tp innermost, then cp, dp_shard, dp_replicate) and `inter_node_gbps` beyond.
 """
 
@@ -126,6 +132,7 @@ class Layout:
     cp: int
     tp: int
     ep: int = 1
+    pp: int = 1
 
     def name(self) -> str:
         parts = [f"{k}={v}" for k, v in asdict(self).items() if v > 1]
@@ -146,6 +153,7 @@ class MemoryPlan:
     communication_ms: float
     tokens_per_step: int
     fits: bool
+    bubble_fraction: float = 0.0
 
     @property
     def communication_ms_per_mtoken(self) -> float:
@@ -157,11 +165,19 @@ class MemoryPlan:
 def plan_layout(shape: ModelShape, layout: Layout, seq_len: int, micro_batch: int, *,
                 activation_checkpointing: bool = False, mixed_precision: str = "autocast",
                 loss_chunk_size: int = 4096, masked_rows: int | None = None, gpu_memory_gib: float = 139.0, gpus_per_node: int = 8,
-                intra_node_gbps: float = 400.0, inter_node_gbps: float = 50.0) -> MemoryPlan:
+                intra_node_gbps: float = 400.0, inter_node_gbps: float = 50.0, pp_microbatches: int = 8,
+                pp_schedule: str = "1f1b") -> MemoryPlan:
     """One layout's per-GPU memory (GiB) and per-step communication. mixed_precision: "autocast" (fp32
-    weights, bf16 autocast) or "bf16_params" (FSDP2 all-gathers bf16 parameters: no autocast copies)."""
+    weights, bf16 autocast) or "bf16_params" (FSDP2 all-gathers bf16 parameters: no autocast copies).
+    With layout.pp > 1: `pp_microbatches` micro-batches of `micro_batch` rows per step, `pp_schedule`."""
     tp, cp, fsdp, rep, ep = layout.tp, layout.cp, layout.dp_shard * layout.cp, layout.dp_replicate, layout.ep
     h, L = shape.hidden, shape.layers
+    stage = None
+    if layout.pp > 1:
+        from .pipeline import pipeline_schedule_terms
+
+        stage = pipeline_schedule_terms(L, layout.pp, pp_microbatches, pp_schedule)
+        L = stage["layers_per_rank"]  # the busiest rank's layers; activations below scale by in_flight_layers
     tp_local_layer = (shape.attention_params() + shape.dense_mlp_params()) / tp + 2 * h
     expert_local = shape.expert_params() / ep
     embed_local = shape.embedding_params() / tp
@@ -184,7 +200,8 @@ def plan_layout(shape: ModelShape, layout: Layout, seq_len: int, micro_batch: in
     head = head_rows * (shape.vocab / tp) * 19 + 2 * shape.vocab * h / tp + 8 * h * tokens * 2
     embed_and_final = 12 * h * tokens
     # with checkpointing only each layer's input stays, and backward recomputes one layer at a time
-    activations = L * (stored_inputs if activation_checkpointing else per_layer)
+    in_flight = stage["in_flight_layers"] if stage else L
+    activations = in_flight * (stored_inputs if activation_checkpointing else per_layer)
     static = params + optimizer + gathered
     forward_end = static + copies + activations + head + embed_and_final
     backward = static + grads + per_layer + copies / L + 2 * shape.vocab * h / tp
@@ -197,7 +214,7 @@ def plan_layout(shape: ModelShape, layout: Layout, seq_len: int, micro_batch: in
         return (size - 1) / size if size > 1 else 0.0
 
     dense_weights, expert_weights = L * tp_local_layer + embed_local, L * expert_local
-    volumes = {"tp": 0.0, "cp": 0.0, "fsdp": 0.0, "replicate": 0.0, "ep": 0.0}
+    volumes = {"tp": 0.0, "cp": 0.0, "fsdp": 0.0, "replicate": 0.0, "ep": 0.0, "pp": 0.0}
     per_weight = gathered_bytes * 2 + 4  # all-gather in forward and backward, fp32 reduce-scatter
     volumes["fsdp"] = per_weight * (dense_weights * ring(fsdp) + expert_weights * ring(fsdp // ep))
     volumes["replicate"] = 2 * 4 * (dense_weights + expert_weights * ep) / fsdp * ring(rep)
@@ -206,9 +223,13 @@ def plan_layout(shape: ModelShape, layout: Layout, seq_len: int, micro_batch: in
     volumes["cp"] = L * 2 * (2 * tokens * cp * shape.kv_dim / tp * 2) * ring(cp) * recompute
     if shape.experts:
         volumes["ep"] = L * 4 * tokens * shape.top_k * h * 2 * ring(ep) * recompute
+    if stage:  # bf16 activations out and their gradients back, at each of this rank's stage boundaries
+        stages_per_rank = stage["num_stages"] // layout.pp
+        volumes["pp"] = 2 * 2 * tokens * h * stages_per_rank
     inner = 1
     seconds = 0.0
-    for name, size in (("tp", tp), ("cp", cp), ("ep", 1), ("fsdp", layout.dp_shard), ("replicate", rep)):
+    for name, size in (("tp", tp), ("cp", cp), ("ep", 1), ("fsdp", layout.dp_shard), ("replicate", rep),
+                       ("pp", layout.pp)):
         inner *= size
         bandwidth = intra_node_gbps if inner <= gpus_per_node else inter_node_gbps
         seconds += volumes[name] / (bandwidth * 1e9)
@@ -218,7 +239,7 @@ def plan_layout(shape: ModelShape, layout: Layout, seq_len: int, micro_batch: in
                       transient_gib=(head + gathered) / GIB, peak_gib=peak / GIB, communication_gib=total / GIB,
                       communication_ms=seconds * 1e3,
                       tokens_per_step=layout.dp_replicate * layout.dp_shard * micro_batch * seq_len,
-                      fits=peak / GIB <= gpu_memory_gib)
+                      fits=peak / GIB <= gpu_memory_gib, bubble_fraction=stage["bubble_fraction"] if stage else 0.0)
 
 
 def candidate_layouts(shape: ModelShape, gpus: int, seq_len: int, max_tp: int = 8) -> list[Layout]:
@@ -237,25 +258,30 @@ def candidate_layouts(shape: ModelShape, gpus: int, seq_len: int, max_tp: int = 
             eps = [e for e in divisors if e > 1 and e % cp == 0 and dp_shard % (e // cp) == 0
                    and shape.experts % e == 0] or [1]
         layouts.extend(Layout(rep, dp_shard, cp, tp, ep) for ep in eps)
+    # pipelines as DLMTrainer runs them: pp x dp_shard (FSDP2 inside each stage), dense models
+    if not shape.experts:
+        layouts.extend(Layout(1, gpus // pp, 1, 1, pp=pp) for pp in divisors if 1 < pp <= shape.layers)
     return layouts
 
 
 def plan_layouts(config, gpus: int, seq_len: int, micro_batch: int, **options) -> list[MemoryPlan]:
-    """All layouts for `gpus` GPUs, ranked: layouts that fit first, then by communication time per token
-    (compute per token is the same in every layout), then peak memory."""
+    """All layouts for `gpus` GPUs, ranked: layouts that fit first, then by pipeline bubble (none outside
+    pipelines), then by communication time per token (compute per token is the same in every layout), then
+    peak memory."""
     shape = ModelShape.from_config(config)
     plans = [plan_layout(shape, layout, seq_len, micro_batch, **options)
              for layout in candidate_layouts(shape, gpus, seq_len)]
-    return sorted(plans, key=lambda p: (not p.fits, p.communication_ms_per_mtoken, p.peak_gib))
+    return sorted(plans, key=lambda p: (not p.fits, p.bubble_fraction, p.communication_ms_per_mtoken, p.peak_gib))
 
 
 def format_plans(plans: list[MemoryPlan], shape: ModelShape | None = None) -> str:
     header = (f"{'layout':<32} {'params':>7} {'grads':>7} {'optim':>7} {'copies':>7} {'activ':>7} {'transnt':>7} "
-              f"{'peak':>7} {'comm':>8} {'comm ms':>8} {'ms/Mtok':>8}  fits")
+              f"{'peak':>7} {'comm':>8} {'comm ms':>8} {'ms/Mtok':>8} {'bubble':>6}  fits")
     lines = [header, "-" * len(header)]
     for p in plans:
         lines.append(f"{p.layout.name():<32} {p.params_gib:7.2f} {p.grads_gib:7.2f} {p.optimizer_gib:7.2f} "
                      f"{p.weight_copies_gib:7.2f} {p.activations_gib:7.2f} {p.transient_gib:7.2f} {p.peak_gib:7.2f} "
-                     f"{p.communication_gib:8.2f} {p.communication_ms:8.1f} {p.communication_ms_per_mtoken:8.1f}  "
+                     f"{p.communication_gib:8.2f} {p.communication_ms:8.1f} {p.communication_ms_per_mtoken:8.1f} "
+                     f"{p.bubble_fraction:6.3f}  "
                      f"{'yes' if p.fits else 'no'}")
     return "\n".join(lines)

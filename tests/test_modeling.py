@@ -202,7 +202,8 @@ def test_flash_attention_refuses_block_masks():
 def test_import_is_cheap():
     """import hf_dlm pulls in no trl, peft, datasets or kernel package beyond what transformers itself loads."""
     code = (
-        "import sys, transformers.modeling_utils; before = set(sys.modules); import hf_dlm; "
+        "import sys, transformers.modeling_utils, transformers.models.llama.modeling_llama; before = set(sys.modules); "
+        "import hf_dlm; "
         "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
         "banned = {'trl', 'peft', 'datasets', 'torchao', 'liger_kernel', 'flash_attn', 'transformer_engine', 'pyarrow'}; "
         "print(sorted(new & banned)); assert not new & banned"

@@ -141,6 +141,9 @@ def test_split_layers_and_plan():
     assert sorted(last.state_dict()) == sorted(k for k in model.state_dict() if k.startswith(owned))
     with pytest.raises(NotImplementedError, match="tie_word_embeddings"):
         check_pipeline_model(tiny_model(tie_word_embeddings=True))
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):  # router losses would be dropped
+        check_pipeline_model(tiny_model(tie_word_embeddings=False, num_experts=2, num_experts_per_tok=1,
+                                        moe_intermediate_size=32))
 
 
 def test_stages_chained_equal_the_model():

@@ -317,6 +317,9 @@ def check_pipeline_model(model) -> None:
     if getattr(config, "tie_word_embeddings", False):
         raise NotImplementedError("pipeline parallelism with tie_word_embeddings=True: the embedding (first stage) and "
                                   "lm_head (last stage) would be one weight on two ranks; untie them first")
+    if getattr(config, "num_experts", 0):
+        raise NotImplementedError("pipeline parallelism with a mixture-of-experts model: the stages do not carry the "
+                                  "router losses to the last stage's loss yet; use FSDP2 / expert parallel (ep_size)")
     if not hasattr(getattr(model, getattr(model, "base_model_prefix", "model"), None), "rotary_emb"):
         raise TypeError(f"pipeline parallelism splits a DLMForDiffusionLM, got {type(model).__name__}")
     if any(p.device.type == "meta" for p in model.parameters()):

@@ -166,12 +166,14 @@ def main() -> None:
                       f"{' / '.join(f'{t:.2f}' for t in backward)} | {row['step_ms']:.1f} | {row['bubble']:.3f} | "
                       f"{even:.3f} | {theory:.3f} |", flush=True)
 
+    save(results, args.out)  # the replay's rows survive a failure of the runtime part
+
     # the pipeline runtime on one process (group of one): GPipe and 1F1B with the whole model as one stage,
     # interleaved 1F1B with a 2-stage cut, both stages on this rank; losses against the unsplit model
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
     dist.init_process_group("gloo" if device.type == "cpu" else "nccl", rank=0, world_size=1,
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else None)
     m = 8
     micro_batches = [batch] * m
     with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
@@ -205,9 +207,13 @@ def main() -> None:
         print(f"| {schedule} | {stages} | {pipeline_ms:.1f} | {serial:.1f} | {pipeline_ms / serial - 1:+.1%} | "
               f"{loss:.5f} | {reference:.5f} |", flush=True)
     dist.destroy_process_group()
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+    save(results, args.out)
+
+
+def save(results: dict, path: str | None):
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(results, f, indent=2)
 
 

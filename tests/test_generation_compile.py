@@ -85,5 +85,78 @@ def test_compile_option_is_validated_and_saved(tmp_path):
     config.save_pretrained(tmp_path)
     assert DLMGenerationConfig.from_pretrained(tmp_path).compile == "cudagraphs"
     assert generation_compile.resolve_compile(True, torch.device("cpu")) == "default"
-    assert generation_compile.resolve_compile(True, torch.device("cuda")) == "reduce-overhead"
+    assert generation_compile.resolve_compile(True, torch.device("cuda")) == "default"  # + hf-dlm's CUDA graphs
     assert generation_compile.resolve_compile(False, torch.device("cpu")) is None
+
+
+class _EmulatedGraph:
+    """Stands in for `CapturedStep` on CPU with a CUDA graph's semantics: the tensors are copied into buffers
+    made at capture time, and the `fixed` arguments are the ones seen at capture (a graph holds their
+    addresses: a cache re-allocated later would never be read)."""
+
+    captures: list = []
+
+    def __init__(self, forward, tensors, fixed):
+        self.forward, self.fixed = forward, fixed
+        self.inputs = {name: None if t is None else t.clone() for name, t in tensors.items()}
+        self.replays = 0
+        _EmulatedGraph.captures.append(self)
+
+    def __call__(self, tensors):
+        for name, t in tensors.items():
+            if t is not None:
+                self.inputs[name].copy_(t)
+        self.replays += 1
+        return self.forward(**self.inputs, **self.fixed)
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    """enable(): from then on every sampler's StepGraphs is enabled on CPU, capturing `_EmulatedGraph`s."""
+    _EmulatedGraph.captures = []
+
+    def enable():
+        monkeypatch.setattr(generation_compile, "CapturedStep", _EmulatedGraph)
+        init = generation_compile.StepGraphs.__init__
+        monkeypatch.setattr(generation_compile.StepGraphs, "__init__", lambda self, model, enabled: init(self, model, True))
+        return _EmulatedGraph.captures
+
+    return enable
+
+
+@pytest.mark.parametrize("compile_choice", [None, "eager"])
+def test_captured_steps_equal_plain_steps(emulated_graphs, compile_choice):
+    # the eager sampler's window steps (None) and the compiled sampler's forwards ('eager': Dynamo-traced,
+    # the path Inductor takes without CUDA graphs of its own) replayed from graphs: the refresh at each
+    # block start must reach later replays through the cache, read in place
+    model = confident_model()
+    _, input_ids, _ = left_padded([7, 7])
+    options = dict(max_new_tokens=24, block_length=8, steps=24, temperature=0.0, cache="dual")
+    plain = model.generate(input_ids, **options)
+    captures = emulated_graphs()
+    captured = model.generate(input_ids, compile=compile_choice, **options)
+    assert torch.equal(captured, plain)
+    # one graph per shape, captured at its second sight: the window (and, compiled, the block refresh)
+    expected = 1 if compile_choice is None else 2
+    assert len(captures) == expected
+    window = captures[0]  # the window's second sight comes before the refresh's (the next block's start)
+    assert window.replays == 3 * (8 - 1) - 1  # 7 window steps a block; the first plain, then captured
+    if compile_choice is not None:
+        assert captures[1].replays == 3 - 1  # the refresh at each of the 3 block starts
+
+
+def test_step_graphs_key_on_shapes_and_flags(emulated_graphs):
+    captures = emulated_graphs()
+    graphs = generation_compile.StepGraphs(confident_model(), enabled=True)
+    calls = []
+
+    def forward(model, x, return_kv=False):
+        calls.append(x.shape)
+        return x * 2
+
+    for x in [torch.ones(2), torch.ones(2), torch.ones(3), torch.ones(2) * 5]:
+        out = graphs(forward, dict(x=x))
+    assert torch.equal(out, torch.full((2,), 10.0)) and len(captures) == 1
+    graphs(forward, dict(x=torch.ones(2)), return_kv=True)
+    graphs(forward, dict(x=torch.ones(2)), return_kv=True)
+    assert len(captures) == 2  # a flag is part of the key

@@ -1,8 +1,12 @@
 """`generate(compile=...)`: the sampler's forward pass with static shapes, run through `torch.compile`.
 
-A small DLM decodes host-bound: each step launches hundreds of small eager kernels. Captured as one
-graph (CUDA graphs: `mode="reduce-overhead"`, or `backend="cudagraphs"` without Inductor), a step
-costs one launch. Capture needs the same shapes every step and no host syncs or data-dependent Python
+A DLM decodes host-bound at small batches: each step launches hundreds of small eager kernels. Inductor
+fuses the elementwise work between the GEMMs (norms, RoPE, SwiGLU, the cache splice) and, on CUDA, hf-dlm
+captures each static shape of the compiled forward as one CUDA graph (`StepGraphs`: the refresh at a
+block start and the window step), so a step costs one launch. `compile=True` on CUDA is that pairing
+(Inductor's "default" mode plus hf-dlm's graphs); Inductor's own graphs (`"reduce-overhead"`) and
+Dynamo's `"cudagraphs"` backend (no Inductor) are slower here (LLaDA-8B shape, one H200, batch 1: 148
+against 130 and 51 tokens/s, benchmarks/RESULTS.md). Capture needs the same shapes every step and no host syncs or data-dependent Python
 inside the graph, so the compiled sampler differs from the eager one in how it calls the model only:
 
 - the batch stays whole (finished rows still go through the forward; their commits are masked),
@@ -21,6 +25,7 @@ span of changing width).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -46,7 +51,7 @@ def resolve_compile(value, device: torch.device) -> str | None:
     if value is None or value is False:
         return None
     if value is True:
-        return "reduce-overhead" if device.type == "cuda" else "default"
+        return "default"  # on CUDA with hf-dlm's CUDA graphs around Inductor's kernels (StepGraphs)
     if value not in COMPILE_CHOICES:
         raise ValueError(f"DLMGenerationConfig.compile must be a bool or one of {tuple(COMPILE_CHOICES)}, "
                          f"got {value!r}")
@@ -101,43 +106,88 @@ def compiled_forward(model, choice: str):
     return store[choice]
 
 
+def _fresh(tensors: dict) -> dict:
+    return {name: None if t is None else t.clone(memory_format=torch.contiguous_format) for name, t in tensors.items()}
+
+
 class CapturedStep:
-    """`static_forward` of one static shape captured as a CUDA graph, without `torch.compile`.
+    """A sampler forward of one static shape captured as a CUDA graph.
 
-    The eager sampler's cached window step (dual / prefix cache, every row in the forward) has the same
-    shapes at every step of a block and, at batch 1, is launch-bound: an 8B model's 32-token window
-    launches ~1,400 small kernels whose host-side cost is several times the GPU work (H200, LLaDA-8B
-    shape: 42.6 ms per eager window step, 10.3 ms per step replayed, benchmarks/RESULTS.md). A graph
-    replays them in one launch. Unlike `generate(compile=...)` nothing is traced or compiled, so
-    the first replay is ready after a few warm-up forwards. Tensor arguments are copied into the graph's
-    static input buffers before each replay; `past` (the cache's per-layer keys / values) is read in
-    place, so the cache's refresh at each block start is seen by later replays."""
+    forward: `static_forward` (eager kernels: the eager sampler's cached window step) or its Inductor-compiled
+    form (`generate(compile=...)` without Inductor's own CUDA graphs). At 8B and batch 1 an eager window
+    step launches ~1,400 small kernels whose host-side cost is several times the GPU work (H200, LLaDA-8B
+    shape: 42.6 ms per eager window step, 10.3 ms replayed, benchmarks/RESULTS.md); a graph replays them in
+    one launch. `tensors` are copied into the graph's static input buffers before each replay; `fixed`
+    arguments (the model, the cache's keys / values, flags) are read in place, so a cache refreshed in
+    place is seen by later replays. The outputs are cloned (the next replay overwrites them)."""
 
-    def __init__(self, model, past, tensors: dict):
-        self.model, self.past = model, past
-        self.inputs = {name: None if t is None else t.clone() for name, t in tensors.items()}
+    def __init__(self, forward, tensors: dict, fixed: dict):
+        self.forward, self.fixed = forward, fixed
+        self.inputs = _fresh(tensors)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph: cuBLAS / cuDNN workspaces and plans
+        with torch.cuda.stream(stream):  # warm-up outside the graph: compilation, cuBLAS / cuDNN workspaces
             for _ in range(2):
-                self._call()
+                self.forward(**self.inputs, **self.fixed)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = self._call()
+            self.outputs = self.forward(**self.inputs, **self.fixed)
 
-    def _call(self):
-        i = self.inputs
-        return static_forward(self.model, i["input_ids"], i["position_ids"], i["key_padding"], i["key_position_ids"],
-                              i["head_index"], past=self.past, slots=i["slots"])
-
-    def __call__(self, tensors: dict) -> torch.Tensor:
+    def __call__(self, tensors: dict):
         for name, t in tensors.items():
             if t is not None:
                 self.inputs[name].copy_(t)
         self.graph.replay()
-        return self.logits.clone()  # the next replay overwrites the graph's output
+        if isinstance(self.outputs, tuple):
+            return tuple(t.clone() for t in self.outputs)
+        return self.outputs.clone()
 
 
-__all__ = ["COMPILE_CHOICES", "MAX_COMPILED_GRAPHS", "CapturedStep", "compiled_forward", "resolve_compile",
+class StepGraphs:
+    """The sampler's CUDA graphs, one per static shape, captured the second time a shape is seen (one-off
+    shapes never pay for a capture). Used by the eager sampler's cached window step and by the compiled
+    sampler when Inductor runs without CUDA graphs of its own. `enabled` False (or a failed capture) runs
+    `forward` plainly."""
+
+    def __init__(self, model, enabled: bool):
+        self.model, self.enabled, self.graphs = model, enabled, {}
+
+    def __call__(self, forward, tensors: dict, **fixed):
+        fixed["model"] = self.model
+        key = (id(forward), *((name, None if t is None else tuple(t.shape)) for name, t in tensors.items()),
+               *sorted((name, value) for name, value in fixed.items() if isinstance(value, (bool, int))))
+        step = self.graphs.get(key)
+        if step is None and self.enabled:
+            if key in self.graphs:
+                step = self.graphs[key] = self._capture(forward, tensors, fixed)
+            else:
+                self.graphs[key] = None
+        if step is not None:
+            return step(tensors)
+        # the graph's inputs are separate contiguous buffers: so are a plain call's, or Dynamo would compile
+        # another graph for the capture (its guards see aliasing, e.g. positions passed twice, and strides)
+        return forward(**_fresh(tensors), **fixed)
+
+    def _capture(self, forward, tensors, fixed):
+        """A `CapturedStep`, or None (plain forwards from now on, said once) if no SDPA kernel captures.
+        cuDNN's SDPA has failed under capture where flash did not: a failure is retried once without it
+        (the backends only matter while capturing: replays run the recorded kernels)."""
+        config = self.model.config
+        backends = list(getattr(config, "sdpa_backends", None) or [])
+        for attempt in ([backends, [b for b in backends if b != "cudnn"]] if "cudnn" in backends else [backends]):
+            try:
+                config.sdpa_backends = attempt
+                return CapturedStep(forward, tensors, fixed)
+            except RuntimeError as error:
+                failure = error
+            finally:
+                config.sdpa_backends = backends
+        warnings.warn(f"generate: the sampler's forward could not be captured as a CUDA graph ({failure}); running "
+                      "it without", stacklevel=4)
+        self.enabled = False
+        return None
+
+
+__all__ = ["COMPILE_CHOICES", "MAX_COMPILED_GRAPHS", "CapturedStep", "StepGraphs", "compiled_forward", "resolve_compile",
            "static_forward"]

@@ -43,7 +43,7 @@ from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
 from .generation_cache import DLMKVCache
-from .generation_compile import MAX_COMPILED_GRAPHS, CapturedStep, compiled_forward, resolve_compile, static_forward
+from .generation_compile import MAX_COMPILED_GRAPHS, StepGraphs, compiled_forward, resolve_compile, static_forward
 from .generation_config import DLM_GENERATION_FIELDS, EXTRA_GENERATE_KWARGS, DLMGenerationConfig
 from .generation_sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
                                   num_transfer_tokens, select_commits)
@@ -165,10 +165,11 @@ class DiffusionSampler:
         self.cache_block = model.config.block_size if mode == "block" else 1
         self.forward_batch_sizes: list[int] = []
         self.compiled = None  # set by run() when config.compile asks for it
+        self.cudagraphs = False  # the compiled forward brings its own CUDA graphs (reduce-overhead, cudagraphs)
         # cached window steps through `static_forward` need the backbone / LM-head split
         self.static_head = isinstance(getattr(model, "model", None), torch.nn.Module) and isinstance(
             getattr(model, "lm_head", None), torch.nn.Module)
-        self.step_graphs: dict = {}  # window shape -> CapturedStep (None: seen once)
+        self.graphs = None  # StepGraphs, set by run()
 
     def _forward(self, tokens, attention_mask, cache, keep: tuple[int, int]) -> torch.Tensor:
         """Logits aligned to positions [keep[0], keep[1]) of `tokens` (shifted models: i - 1 predicts i,
@@ -188,33 +189,36 @@ class DiffusionSampler:
         """Compiled sampler: logits (b, W, V) of the window through `static_forward` (every row)."""
         query_start = min(query[0], window[0] - self.shift)
         device = x.device
-        head_index = (torch.arange(window[0], window[1], device=device) - self.shift - query_start).clamp(min=0)
         positions = self.static_positions.repeat(x.shape[0] // self.static_positions.shape[0], 1)
+        tensors = dict(input_ids=x, position_ids=positions,
+                       key_padding=None if self.static_unpadded and not self.cudagraphs else mask,
+                       key_position_ids=positions,
+                       head_index=(torch.arange(window[0], window[1], device=device) - self.shift - query_start).clamp(min=0))
         if self.config.cache == "none" or query_start == 0:
-            args = (self.model, x, positions, mask, positions, head_index)
             if self.config.cache != "none" and store:
-                logits, keys, values = self._call_compiled(*args, return_kv=True)
+                logits, keys, values = self._call_compiled(tensors, return_kv=True)
                 if self.static_past is None:
                     self.static_past = (keys.clone(), values.clone())
                 else:
                     self.static_past[0].copy_(keys)
                     self.static_past[1].copy_(values)
             else:
-                logits = self._call_compiled(*args)
+                logits = self._call_compiled(tensors)
         else:
-            slots = torch.arange(query_start, query[1], device=device)
-            logits = self._call_compiled(self.model, x[:, query_start : query[1]], positions[:, query_start : query[1]],
-                                         mask, positions, head_index, past=self.static_past, slots=slots)
+            tensors.update(input_ids=x[:, query_start : query[1]], position_ids=positions[:, query_start : query[1]],
+                           slots=torch.arange(query_start, query[1], device=device))
+            logits = self._call_compiled(tensors, past=self.static_past)
         self.forward_batch_sizes.append(x.shape[0])
         return logits.clone() if self.cudagraphs else logits  # a graph's output is overwritten by its next replay
 
-    def _call_compiled(self, *args, **kwargs):
-        if self.cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()
+    def _call_compiled(self, tensors, **fixed):
         # every static shape (batch, canvas, each prefix-cache block) is one graph of the same function:
         # past Dynamo's default limit of 8 it would silently run eager
         with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_GRAPHS):
-            return self.compiled(*args, **kwargs)
+            if self.cudagraphs:  # Inductor's / Dynamo's own CUDA graphs
+                torch.compiler.cudagraph_mark_step_begin()
+                return self.compiled(self.model, **tensors, **fixed)
+            return self.graphs(self.compiled, tensors, **fixed)  # hf-dlm's graphs around Inductor's kernels
 
     def _logits(self, canvas, rows, window, query, key_end, store):
         """Guided logits (b, W, V) for the canvas positions `window` of the rows `rows` (None: all rows,
@@ -245,25 +249,6 @@ class DiffusionSampler:
         cond, uncond = logits.chunk(2)
         return uncond + (self.config.cfg_scale + 1) * (cond - uncond)
 
-    def _capture(self, past, tensors):
-        """A `CapturedStep`, or None (eager steps from now on, said once) if no SDPA kernel captures. cuDNN's
-        SDPA has failed under capture where flash did not: a failure is retried once without it (the
-        backends only matter while capturing: replays run the recorded kernels)."""
-        config = self.model.config
-        backends = list(getattr(config, "sdpa_backends", None) or [])
-        for attempt in ([backends, [b for b in backends if b != "cudnn"]] if "cudnn" in backends else [backends]):
-            try:
-                config.sdpa_backends = attempt
-                return CapturedStep(self.model, past, tensors)
-            except RuntimeError as error:
-                failure = error
-            finally:
-                config.sdpa_backends = backends
-        warnings.warn(f"generate: the cached step could not be captured as a CUDA graph ({failure}); running it "
-                      "eagerly", stacklevel=5)
-        self.capture_steps = False
-        return None
-
     def _window_step(self, x, window, query_start, query_end):
         """An approximate cache's window step with every row in the forward: `static_forward` against the
         stored keys / values (the refresh at the block start wrote them), the same shapes at every step
@@ -280,17 +265,7 @@ class DiffusionSampler:
         layers = self.cache.layers
         past = ([layers[i][0] for i in range(len(layers))], [layers[i][1] for i in range(len(layers))])
         self.forward_batch_sizes.append(x.shape[0])
-        shape = (x.shape[0], query_end - query_start, window[1] - window[0])
-        step = self.step_graphs.get(shape)
-        if step is None and x.is_cuda and self.capture_steps:
-            if shape in self.step_graphs:  # seen once: capture now (one-off shapes never pay for a capture)
-                step = self.step_graphs[shape] = self._capture(past, tensors)
-            else:
-                self.step_graphs[shape] = None
-        if step is not None:
-            return step(tensors)
-        return static_forward(self.model, tensors["input_ids"], tensors["position_ids"], tensors["key_padding"],
-                              positions, tensors["head_index"], past=past, slots=tensors["slots"])
+        return self.graphs(static_forward, tensors, past=past)
 
     def run(self, input_ids, attention_mask, streamer, callback):
         cfg, mask_id = self.config, self.mask_id
@@ -329,7 +304,10 @@ class DiffusionSampler:
             self.compiled = compiled_forward(self.model, choice)
             self.cudagraphs = choice in ("reduce-overhead", "max-autotune", "cudagraphs") and device.type == "cuda"
             self.static_positions = (self.full_mask.cumsum(-1) - 1).clamp(min=0)
+            self.static_unpadded = bool(self.full_mask.all())  # no padding: no mask (SDPA's fastest kernels)
             self.static_past = None
+        self.graphs = StepGraphs(self.model, enabled=device.type == "cuda" and self.capture_steps
+                                 and not self.cudagraphs and choice != "eager")
         self.cache = None
         if cfg.cache != "none" and self.compiled is None:
             positions = (self.full_mask.cumsum(-1) - 1).clamp(min=0)

@@ -66,7 +66,7 @@ class DiffuGRPOConfig(GRPOConfig):
     generation_compile: str | None = field(
         default=None,
         metadata={"help": "Run the sampler's forward through torch.compile (DLMGenerationConfig.compile): 'true' "
-                          "(reduce-overhead: CUDA graphs on GPU), a torch.compile mode or 'cudagraphs'; pays off on "
+                          "(Inductor plus CUDA graphs on GPU), a torch.compile mode or 'cudagraphs'; pays off on "
                           "GPU when rollout batches keep one shape. None: eager."},
     )
     # -- parent defaults changed ------------------------------------------------------------------

@@ -64,7 +64,7 @@ def heldout_nll(model, trainer, rows):
 
 def test_sft_lowers_response_nll_and_never_noises_the_prompt(tmp_path, tokenizer):
     model = toy_model(tokenizer)
-    hooks = ["_prepare_dataset", "_set_signature_columns_if_needed", "compute_loss"]
+    hooks = ["_prepare_dataset", "_set_signature_columns_if_needed", "get_batch_samples", "compute_loss"]
     with contextlib.ExitStack() as stack:  # trl calls every hook DLMSFTTrainer overrides
         spies = {name: stack.enter_context(mock.patch.object(DLMSFTTrainer, name, autospec=True,
                                                              side_effect=getattr(DLMSFTTrainer, name)))
@@ -75,8 +75,8 @@ def test_sft_lowers_response_nll_and_never_noises_the_prompt(tmp_path, tokenizer
         seen = []
         corrupt = trainer.objective.corrupt
 
-        def spy(input_ids, sample_index, attention_mask=None, prompt_mask=None):
-            out = corrupt(input_ids, sample_index, attention_mask, prompt_mask)
+        def spy(input_ids, sample_index, attention_mask=None, prompt_mask=None, *t_group):
+            out = corrupt(input_ids, sample_index, attention_mask, prompt_mask, *t_group)
             seen.append((input_ids, prompt_mask, out))
             return out
 
@@ -98,6 +98,29 @@ def test_sft_lowers_response_nll_and_never_noises_the_prompt(tmp_path, tokenizer
     assistant = tokenizer.convert_tokens_to_ids("<|assistant|>")
     for row, prompt in zip(first_ids, first_prompt):
         assert int(prompt.sum()) == int((row == assistant).nonzero()[0]) + 1
+
+
+@pytest.mark.parametrize("normalization,t_sampling", [("token", "antithetic"), ("masked", "uniform")])
+def test_sft_gradient_accumulation_equals_one_big_batch(tmp_path, tokenizer, normalization, t_sampling):
+    """One SGD step on 8 rows of different completion lengths: 4 micro-batches of 2 and 2 of 4 move the weights
+    exactly as 1 micro-batch of 8 (the normaliser counts the whole step; antithetic t is stratified over it).
+    Padding is excluded: with LLaDA's EOS padding the padded length, so the data, depends on the micro-batch."""
+    weights = {}
+    for micro, accumulation in ((8, 1), (4, 2), (2, 4)):
+        model = toy_model(tokenizer)
+        trainer = DLMSFTTrainer(model=model, args=sft_args(
+            tmp_path / f"{micro}", max_steps=1, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+            optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0,
+            padding_policy="exclude", objective_overrides={"normalization": normalization, "t_sampling": t_sampling}),
+            train_dataset=sft_dataset(64, 3), processing_class=tokenizer)
+        trainer.train()
+        weights[micro] = {name: p.detach().clone() for name, p in model.named_parameters()}
+    start = dict(toy_model(tokenizer).named_parameters())
+    moved = max(float((weights[8][name] - start[name]).abs().max()) for name in start)
+    assert moved > 1e-3  # the step really changed the weights
+    for micro in (4, 2):
+        for name, value in weights[8].items():
+            torch.testing.assert_close(weights[micro][name], value, rtol=0, atol=2e-6, msg=lambda m: f"{micro} x: {name}: {m}")
 
 
 def test_sft_padding_policies_and_packing(tmp_path, tokenizer):

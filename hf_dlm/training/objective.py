@@ -148,6 +148,15 @@ class MaskedDiffusionObjective:
         return hashed_uniform(self.seed, _MASK, sample_index, positions)
 
     # -- one training step's inputs -------------------------------------------------------------
+    def loss_items(self, corrupted: dict) -> torch.Tensor:
+        """The loss normaliser's count for one corrupted micro-batch (`corrupt`'s output), unclamped so that
+        the sum over an optimizer step's micro-batches and ranks is exact: supervised tokens ('token'),
+        masked tokens ('masked'), else the micro-batch's own `num_items_in_batch` (rows, or rows x length)."""
+        if self.mode == "ar":
+            return (corrupted["labels"] != IGNORE_INDEX).sum()
+        counted = {"token": corrupted["supervised"], "masked": corrupted["masked"]}.get(self.normalization)
+        return corrupted["num_items_in_batch"] if counted is None else counted.sum()
+
     def corrupt(
         self,
         input_ids: torch.Tensor,

@@ -6,8 +6,11 @@ the chat template, packing); three hooks change:
 - the collator (`DLMSFTCollator`, wrapping trl's) turns trl's labels into `prompt_mask` (real tokens trl does
   not supervise: never noised, no loss), applies the EOS-padding policy and keeps packed rows as rows with
   restarting `position_ids` (the DLM masks attention per document) instead of trl's single flattened row.
-- `compute_loss`: `MaskedDiffusionObjective.corrupt` + the DLM's masked-only head. trl's causal fused LM
-  head is never installed (`without_causal_lm_head`); handing a DLM to trl's plain `SFTTrainer` raises.
+- `get_batch_samples` corrupts an optimizer step's micro-batches together (`MaskedDiffusionObjective.corrupt`;
+  antithetic t over the step's global batch) and counts the loss normaliser over all of them and all ranks,
+  as `DLMTrainer` does: 2 micro-batches of 8 give 1 micro-batch of 16's update under every normalisation.
+- `compute_loss`: the DLM's masked-only head with that normaliser. trl's causal fused LM head is never
+  installed (`without_causal_lm_head`); handing a DLM to trl's plain `SFTTrainer` raises.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from trl import SFTTrainer  # noqa: E402
 
 from ..modeling.loss import IGNORE_INDEX  # noqa: E402
 from .sft_config import DLMSFTConfig  # noqa: E402
+from .trainer import antithetic_group, rescale_router_loss  # noqa: E402
 from .trl_compat import ensure_mask_token, load_dlm, without_causal_lm_head  # noqa: E402
 
 
@@ -59,11 +63,16 @@ class DLMSFTCollator:
         return out
 
 
+_CORRUPTED = "_dlm_corrupted"  # statistics of a micro-batch corrupted by get_batch_samples
+
+
 class DLMSFTTrainer(SFTTrainer):
     """SFT of masked-diffusion LMs with trl's data pipeline. Arguments as `trl.SFTTrainer`; `args` is a
     `DLMSFTConfig`; `objective` defaults to `args.build_objective(model.config)`."""
 
     _tag_names = ["trl", "sft", "hf-dlm", "diffusion"]
+    # compute_loss divides by the optimizer step's global normaliser: no further division by the accumulation
+    loss_is_scaled_for_ga = True
 
     def __init__(self, model, args: DLMSFTConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, objective=None, **kwargs):
@@ -88,8 +97,6 @@ class DLMSFTTrainer(SFTTrainer):
             raise ValueError("DLMSFTTrainer needs a tokenizer with an EOS token (padding and the sampler's stop)")
         self.data_collator = DLMSFTCollator(inner, eos, args.padding_policy)
         self.objective = objective if objective is not None else args.build_objective(config)
-        # the loss is normalised per micro-batch by the objective; the Trainer averages micro-batches
-        self.model_accepts_loss_kwargs = False
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
@@ -102,29 +109,75 @@ class DLMSFTTrainer(SFTTrainer):
             return dataset
         return dataset.map(lambda _, index: {"sample_index": index}, with_indices=True)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        sample_index = inputs["sample_index"]
-        if model.training and self.train_dataset is not None and hasattr(self.train_dataset, "__len__"):
-            # a new epoch draws new noise: the global index of the draw, not only of the row
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The micro-batches of one optimizer step, corrupted together, and their global number of loss items."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if not batches:
+            return batches, None
+        for batch in batches:
+            batch["sample_index"] = self._epoch_keyed(batch["sample_index"].to(device))
+        t_group = antithetic_group(self.objective, self.accelerator, [b["sample_index"] for b in batches], device)
+        samples = [self._corrupt(batch, device, t_group) for batch in batches]
+        items = sum(sample[_CORRUPTED]["items"] for sample in samples)
+        if self.accelerator.num_processes > 1:
+            items = self.accelerator.gather(items.reshape(1)).sum()
+        return samples, items.clamp(min=1)
+
+    def _epoch_keyed(self, sample_index):
+        """A new epoch draws new noise: the global index of the draw, not only of the row."""
+        if self.train_dataset is not None and hasattr(self.train_dataset, "__len__"):
             sample_index = sample_index + int(self.state.epoch or 0) * len(self.train_dataset)
+        return sample_index
+
+    def _corrupt(self, inputs, device, t_group=None) -> dict:
+        """A clean micro-batch -> the model's inputs, with this micro-batch's statistics under _CORRUPTED."""
+        inputs = {key: value.to(device) if torch.is_tensor(value) else value for key, value in inputs.items()}
+        sample_index = inputs["sample_index"]
+        t_slot = None if t_group is None else torch.searchsorted(t_group[0], sample_index)
         corrupted = self.objective.corrupt(inputs["input_ids"], sample_index, inputs.get("attention_mask"),
-                                           inputs.get("prompt_mask"))
-        model_inputs = {key: corrupted[key] for key in ("input_ids", "attention_mask", "labels", "label_weights",
-                                                        "num_items_in_batch") if corrupted[key] is not None}
+                                           inputs.get("prompt_mask"), t_slot, None if t_group is None else t_group[1])
+        model_inputs = {key: corrupted[key] for key in ("input_ids", "attention_mask", "labels", "label_weights")
+                        if corrupted[key] is not None}
         if "position_ids" in inputs:
             model_inputs["position_ids"] = inputs["position_ids"]
-        if getattr(self.accelerator.unwrap_model(model).config, "attention_mode", None) == "block":
+        if getattr(self.accelerator.unwrap_model(self.model).config, "attention_mode", None) == "block":
             model_inputs["clean_input_ids"] = inputs["input_ids"]  # two-stream block-diffusion training
-        outputs = model(**model_inputs)
-        mode = "train" if model.training else "eval"
         real = inputs["attention_mask"].sum()
-        self._metrics[mode]["masked_fraction"].append(float(corrupted["masked"].sum() / real.clamp(min=1)))
-        self._metrics[mode]["supervised_fraction"].append(
-            float((inputs["attention_mask"].bool() & ~inputs["prompt_mask"]).sum() / real.clamp(min=1)))
+        model_inputs[_CORRUPTED] = {
+            "items": torch.as_tensor(self.objective.loss_items(corrupted), dtype=torch.float32, device=device),
+            "real": real, "masked": corrupted["masked"].sum(),
+            "supervised": (inputs["attention_mask"].bool() & ~inputs["prompt_mask"]).sum(),
+        }
+        return model_inputs
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if _CORRUPTED not in inputs:  # a clean batch (evaluation, direct calls): corrupt it here
+            inputs = self._corrupt(inputs, self.args.device)
+        inputs = dict(inputs)
+        stats = inputs.pop(_CORRUPTED)
+        loss_scale = 1
+        if num_items_in_batch is None:
+            num_items_in_batch = stats["items"].clamp(min=1)
+        elif self.accelerator.num_processes > 1:
+            loss_scale = self.accelerator.num_processes  # a global normaliser, gradients averaged over ranks
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        loss = outputs.loss * loss_scale
+        router_loss = getattr(outputs, "router_loss", None)
+        if router_loss is not None and model.training:
+            loss = rescale_router_loss(self, loss, router_loss, loss_scale)
+        mode = "train" if model.training else "eval"
+        real = stats["real"].clamp(min=1)
+        self._metrics[mode]["masked_fraction"].append(float(stats["masked"] / real))
+        self._metrics[mode]["supervised_fraction"].append(float(stats["supervised"] / real))
         if mode == "train":
-            self._total_train_tokens += int(self.accelerator.gather_for_metrics(real.reshape(1)).sum())
+            self._total_train_tokens += int(self.accelerator.gather_for_metrics(stats["real"].reshape(1)).sum())
             self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-        return (outputs.loss, outputs) if return_outputs else outputs.loss
+        return (loss, outputs) if return_outputs else loss
 
 
 __all__ = ["DLMSFTTrainer", "DLMSFTCollator"]

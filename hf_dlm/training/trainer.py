@@ -48,6 +48,28 @@ FLOAT8_STATE_NAME = "float8_state_rank{rank}.pt"  # delayed-scaling amax histori
 _STATS = "_dlm_stats"  # per-micro-batch statistics riding along in the batch dict
 
 
+def antithetic_group(objective, accelerator, keys: list, device) -> tuple | None:
+    """Antithetic t is stratified over the optimizer step's global batch (MDLM stratifies over its batch):
+    the sorted, distinct sample keys of all micro-batches (`keys`: their sample_index tensors) on all
+    ranks. A sample's slot is its key's rank there, so it does not depend on world size, micro-batch split
+    or data-loader order. -> (sorted keys, group size) or None when t is not antithetic."""
+    if objective.mode != "diffusion" or objective.t_sampling != "antithetic":
+        return None
+    keys = torch.cat(keys).to(device)
+    if accelerator.num_processes > 1:
+        keys = accelerator.gather(accelerator.pad_across_processes(keys, pad_index=-1))
+        keys = keys[keys >= 0]
+    keys = torch.unique(keys)  # sorted; replicas of a batch (tensor/context parallel ranks) count once
+    return keys, keys.numel()
+
+
+def rescale_router_loss(trainer, loss, router_loss, loss_scale):
+    """MoE router losses are means over one micro-batch's tokens, not sums over the global normaliser: take
+    them out of the rank scaling and average them over the accumulated micro-batches."""
+    accumulation = getattr(trainer, "current_gradient_accumulation_steps", trainer.args.gradient_accumulation_steps)
+    return loss - router_loss * loss_scale + router_loss / accumulation
+
+
 class DLMTrainer(PipelineTrainingMixin, Trainer):
     """Trainer of `DLMForDiffusionLM` (or any model taking `labels`, `label_weights` and
     `num_items_in_batch`). `objective` defaults to `args.build_objective(model.config)`."""
@@ -116,14 +138,8 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
         if getattr(config, "attention_mode", None) == "block" and self.objective.mode == "diffusion":
             model_inputs["clean_input_ids"] = input_ids  # two-stream block-diffusion training
         real = input_ids.numel() if inputs["attention_mask"] is None else inputs["attention_mask"].sum()
-        if self.objective.mode == "ar":
-            items = (inputs["labels"] != -100).sum()
-            masked_rows = None
-        else:
-            masked_rows = inputs["masked"].sum(1)  # (B,)
-            # counted unclamped so the sum over micro-batches is exact
-            counted = {"token": inputs["supervised"], "masked": inputs["masked"]}.get(self.objective.normalization)
-            items = inputs["num_items_in_batch"] if counted is None else counted.sum()
+        masked_rows = None if self.objective.mode == "ar" else inputs["masked"].sum(1)  # (B,)
+        items = self.objective.loss_items(inputs)
         model_inputs[_STATS] = {"t": inputs["t"], "masked_rows": masked_rows, "tokens": real,
                                 "items": torch.as_tensor(items, device=device, dtype=torch.float32),
                                 "length": input_ids.shape[1]}
@@ -148,7 +164,7 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
             batches.append(batch)
         if not batches:
             return batches, None
-        t_group = self._antithetic_group(batches, device)
+        t_group = antithetic_group(self.objective, self.accelerator, [b["sample_index"] for b in batches], device)
         batch_samples = [self._corrupt(batch, device, t_group) for batch in batches]
         num_items = sum(b[_STATS]["items"] for b in batch_samples)
         if self.accelerator.num_processes > 1:
@@ -167,19 +183,6 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
             epoch = math.floor(self.state.epoch or 0)  # passes completed before this step
             batch["sample_index"] = batch["sample_index"] + epoch * self._epoch_stride
         return batch
-
-    def _antithetic_group(self, batches: list[dict], device) -> tuple | None:
-        """Antithetic t is stratified over the optimizer step's global batch (MDLM stratifies over its
-        batch): the sorted, distinct sample keys of all micro-batches on all ranks. A sample's slot is its
-        key's rank there, so it does not depend on world size, micro-batch split or data-loader order."""
-        if self.objective.mode != "diffusion" or self.objective.t_sampling != "antithetic":
-            return None
-        keys = torch.cat([b["sample_index"] for b in batches]).to(device)
-        if self.accelerator.num_processes > 1:
-            keys = self.accelerator.gather(self.accelerator.pad_across_processes(keys, pad_index=-1))
-            keys = keys[keys >= 0]
-        keys = torch.unique(keys)  # sorted; replicas of a batch (tensor/context parallel ranks) count once
-        return keys, keys.numel()
 
     # -- loss -----------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -201,10 +204,7 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
         loss = outputs.loss * loss_scale
         router_loss = getattr(outputs, "router_loss", None)
         if router_loss is not None and model.training:
-            # MoE router losses are means over this micro-batch's tokens, not sums over the global normaliser:
-            # take them out of the rank scaling and average them over the accumulated micro-batches
-            accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
-            loss = loss - router_loss * loss_scale + router_loss / accumulation
+            loss = rescale_router_loss(self, loss, router_loss, loss_scale)
             self._add("router_batches", 1)
             self._add("aux_loss", outputs.aux_loss.detach())
             self._add("router_z_loss", outputs.router_z_loss.detach())

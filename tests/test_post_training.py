@@ -1,6 +1,11 @@
 """DLMSFTTrainer and DiffuGRPOTrainer on trl: the toy 'reverse the digits' task, SFT then GRPO."""
 
 import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -18,6 +23,7 @@ from hf_dlm.training.sft_trainer import DLMSFTTrainer  # noqa: E402
 from tests.toy_tasks import digit_tokenizer, one_thread, reversal_reward, reverse_rows  # noqa: E402,F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -100,27 +106,55 @@ def test_sft_lowers_response_nll_and_never_noises_the_prompt(tmp_path, tokenizer
         assert int(prompt.sum()) == int((row == assistant).nonzero()[0]) + 1
 
 
+def sft_one_step(out_dir, tokenizer, micro, accumulation, normalization="token", t_sampling="antithetic", **extra):
+    """One SGD step of DLMSFTTrainer on the first 8 rows of a shuffled toy set -> (parameters, trainer).
+    Padding is excluded: with LLaDA's EOS padding the padded length, so the data, depends on the micro-batch."""
+    model = toy_model(tokenizer)
+    trainer = DLMSFTTrainer(model=model, args=sft_args(
+        out_dir, max_steps=1, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0,
+        padding_policy="exclude", objective_overrides={"normalization": normalization, "t_sampling": t_sampling},
+        **extra), train_dataset=sft_dataset(64, 3), processing_class=tokenizer)
+    trainer.train()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, trainer
+
+
 @pytest.mark.parametrize("normalization,t_sampling", [("token", "antithetic"), ("masked", "uniform")])
 def test_sft_gradient_accumulation_equals_one_big_batch(tmp_path, tokenizer, normalization, t_sampling):
     """One SGD step on 8 rows of different completion lengths: 4 micro-batches of 2 and 2 of 4 move the weights
-    exactly as 1 micro-batch of 8 (the normaliser counts the whole step; antithetic t is stratified over it).
-    Padding is excluded: with LLaDA's EOS padding the padded length, so the data, depends on the micro-batch."""
-    weights = {}
-    for micro, accumulation in ((8, 1), (4, 2), (2, 4)):
-        model = toy_model(tokenizer)
-        trainer = DLMSFTTrainer(model=model, args=sft_args(
-            tmp_path / f"{micro}", max_steps=1, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-            optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0,
-            padding_policy="exclude", objective_overrides={"normalization": normalization, "t_sampling": t_sampling}),
-            train_dataset=sft_dataset(64, 3), processing_class=tokenizer)
-        trainer.train()
-        weights[micro] = {name: p.detach().clone() for name, p in model.named_parameters()}
+    exactly as 1 micro-batch of 8 (the normaliser counts the whole step; antithetic t is stratified over it)."""
+    weights = {micro: sft_one_step(tmp_path / f"{micro}", tokenizer, micro, 8 // micro, normalization, t_sampling)[0]
+               for micro in (8, 4, 2)}
     start = dict(toy_model(tokenizer).named_parameters())
     moved = max(float((weights[8][name] - start[name]).abs().max()) for name in start)
     assert moved > 1e-3  # the step really changed the weights
     for micro in (4, 2):
         for name, value in weights[8].items():
-            torch.testing.assert_close(weights[micro][name], value, rtol=0, atol=2e-6, msg=lambda m: f"{micro} x: {name}: {m}")
+            torch.testing.assert_close(weights[micro][name], value, rtol=0, atol=2e-6,
+                                       msg=lambda m: f"{micro} x: {name}: {m}")
+
+
+@pytest.mark.skipif(shutil.which("accelerate") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "accelerate")),
+                    reason="the accelerate launcher is not installed")
+def test_sft_on_two_ddp_ranks_equals_one_process(tmp_path, tokenizer):
+    """2 gloo ranks x 2 micro-batches of 2 rows (`accelerate launch`) = 1 process x 1 micro-batch of 8: the
+    normaliser is summed over ranks and DDP's gradient average is undone."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    launcher = launcher if os.path.exists(launcher) else shutil.which("accelerate")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [launcher, "launch", "--config_file", os.path.join(ROOT, "examples", "accelerate", "ddp_cpu.yaml"),
+               "--multi_gpu", "--num_processes", "2", "--main_process_port", str(port),
+               os.path.join(ROOT, "tests", "sft_ddp_worker.py"), str(tmp_path)]
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"sft_params_rank{r}.pt") for r in range(2)]
+    single, _ = sft_one_step(tmp_path / "single", tokenizer, 8, 1)
+    for name, value in single.items():
+        torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
+        torch.testing.assert_close(ranks[0][name], value, rtol=0, atol=2e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_sft_padding_policies_and_packing(tmp_path, tokenizer):

@@ -54,3 +54,40 @@ def test_adapter_saved_reloaded_and_merged_give_identical_outputs(tmp_path):
         assert not any("lora" in name for name, _ in merged.named_parameters())
         torch.testing.assert_close(merged(input_ids=ids).logits, logits, rtol=1e-5, atol=1e-5)
         assert torch.equal(merged.generate(ids[:, :4], max_new_tokens=8, steps=8, temperature=0), tokens)
+
+
+def test_merged_lora_weights_run_the_adapter_as_one_gemm_and_restore_the_base_bit_exactly(tmp_path):
+    from hf_dlm.training.lora import merged_lora_weights
+
+    model = trained_adapter(tmp_path)
+    ids = torch.randint(0, VOCAB - 1, (3, 12), generator=torch.Generator().manual_seed(0))
+    ids[:, 4:8] = MASK_ID
+    layers = [m for m in model.modules() if isinstance(m, peft.tuners.lora.layer.Linear)]
+    storages = [layer.get_base_layer().weight.data_ptr() for layer in layers]
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    calls = []
+    hooks = [layer.lora_A["default"].register_forward_hook(lambda *_: calls.append(1)) for layer in layers]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        tokens = model.generate(ids[:, :4], max_new_tokens=8, steps=8, temperature=0)
+        unmerged_calls = len(calls)
+        with merged_lora_weights(model):
+            merged_logits = model(input_ids=ids).logits
+            merged_tokens = model.generate(ids[:, :4], max_new_tokens=8, steps=8, temperature=0)
+            # every projection runs merged: W + scale * B @ A, and the adapter's own GEMMs never run
+            q = layers[0]
+            scale = q.scaling["default"]
+            expected = before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"] + scale * (
+                q.lora_B["default"].weight @ q.lora_A["default"].weight)
+            torch.testing.assert_close(q.get_base_layer().weight, expected, rtol=0, atol=1e-6)
+        assert len(calls) == unmerged_calls
+        after_logits = model(input_ids=ids).logits
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(merged_logits, logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(merged_tokens, tokens)
+    # afterwards: the same storage, bit-identical weights, the adapter active again
+    assert [layer.get_base_layer().weight.data_ptr() for layer in layers] == storages
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert torch.equal(after_logits, logits) and not any(layer.disable_adapters for layer in layers)
+    assert all(p.requires_grad == before[n].requires_grad for n, p in model.named_parameters())

@@ -69,6 +69,12 @@ class DiffuGRPOConfig(GRPOConfig):
                           "(Inductor plus CUDA graphs on GPU), a torch.compile mode or 'cudagraphs'; pays off on "
                           "GPU when rollout batches keep one shape. None: eager."},
     )
+    generation_merge_adapters: bool = field(
+        default=True,
+        metadata={"help": "With LoRA, roll out with the adapters folded into merged copies of the base weights "
+                          "(one GEMM per projection instead of three; the base weights are restored bit-exactly "
+                          "afterwards; costs one copy of the adapted weights during the rollout). False: unmerged."},
+    )
     # -- parent defaults changed ------------------------------------------------------------------
     temperature: float = field(
         default=0.9, metadata={"help": "Sampling temperature of the rollouts (Gumbel-max); d1 uses 0.9. Parent: 1.0."})

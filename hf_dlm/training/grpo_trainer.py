@@ -3,7 +3,8 @@
 trl 1.16's loop, rewards, advantages, clipping, KL and importance sampling stay as they are; three hooks
 change (trl no longer calls `_get_per_token_logps`, the hook every public d1 copy overrides):
 - `_generate_single_turn`: rollouts through the DLM's batched mixed-length sampler (`model.generate`:
-  left-padded prompts, threshold decoding, caches, compile), cut after the first EOS as trl does.
+  left-padded prompts, threshold decoding, caches, compile; LoRA adapters folded into merged copies of the
+  base weights, `merged_lora_weights`), cut after the first EOS as trl does.
 - `_get_per_token_logps_and_entropies`: completion log-probabilities from a pluggable estimator
   (`logp_estimators`: d1's one-step, DiffuCoder's coupled masks, Monte Carlo ELBO), never trl's causal head.
   The estimator sees the canvas as it was sampled: completion padding is the EOS the sampler wrote.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -30,6 +32,7 @@ from trl.trainer.utils import disable_dropout_in_model, pad  # noqa: E402
 
 from .grpo_config import DiffuGRPOConfig  # noqa: E402
 from .logp_estimators import build_estimator  # noqa: E402
+from .lora import merged_lora_weights  # noqa: E402
 from .noise import mix32  # noqa: E402
 from .trl_compat import load_dlm, without_causal_lm_head  # noqa: E402
 
@@ -119,6 +122,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
             ) as unwrapped_model,
             torch.no_grad(),
             self.accelerator.autocast(),
+            merged_lora_weights(unwrapped_model) if self.args.generation_merge_adapters else nullcontext(),
         ):
             sequences = unwrapped_model.generate(input_ids, attention_mask=attention_mask,
                                                  eos_token_id=self.eos_token_ids, **self.args.generate_kwargs())

@@ -1,5 +1,5 @@
 """Run by tests/test_pipeline_trainer.py under `torchrun`: `hf-dlm train`'s YAML config with training.pp_size=2
-on gloo processes; then the same layout resumed from the run's checkpoint-2. Writes the logged losses, gradient
+on gloo processes; then (unless --no-resume) the same layout resumed from the run's checkpoint-2. Writes the logged losses, gradient
 norms and per-t statistics, and whether the resumed run ended on the uninterrupted run's weights."""
 
 import json
@@ -12,9 +12,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hf_dlm.training.runner import build_trainer, load_config  # noqa: E402
 
 
-def main(config_path: str, out_file: str) -> None:
+def main(config_path: str, out_file: str, resume: bool = True) -> None:
     trainer, _ = build_trainer(load_config(config_path), config_path)
     trainer.train()
+    if not resume:  # the logs only
+        if trainer.args.process_index == 0:
+            with open(out_file, "w") as f:
+                json.dump({"logs": [log for log in trainer.state.log_history if "loss" in log]}, f)
+        trainer.accelerator.wait_for_everyone()
+        torch.distributed.destroy_process_group()
+        return
     trainer.save_model(os.path.join(trainer.args.output_dir, "final"))
     straight = {name: p.detach().clone() for name, p in trainer.model.state_dict().items()}
 
@@ -37,4 +44,4 @@ def main(config_path: str, out_file: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], resume="--no-resume" not in sys.argv[3:])

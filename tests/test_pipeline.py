@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hf_dlm.parallel.pipeline import (DLMPipelineModel, DLMPipelineStageModule, PipelinePlan, check_pipeline_model,
+from hf_dlm.parallel.pipeline import (DLMPipeline, DLMPipelineModel, DLMPipelineStageModule, PipelinePlan, check_pipeline_model,
                                       pipeline_schedule_terms, split_layers)
 from hf_dlm.training.objective import MaskedDiffusionObjective
 from tests.conftest import MASK_ID, VOCAB, tiny_model
@@ -48,26 +48,32 @@ def _reference():
     return total, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def _worker(rank, world_size, init_file, out_dir):
+def _pp_dp_mesh(rank, world_size, init_file):
+    """A worker's gloo group and its (pp=2, dp_shard=2) mesh -> (mesh, dp rank, dp size)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hf_dlm.parallel.pipeline import DLMPipeline
-
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
-    dp_rank, dp_size = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
+    return mesh, mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
+
+
+def _dp_share(batches, items, dp_rank, dp_size):
+    """A data-parallel rank's half of every micro-batch and its share of the normaliser (FSDP averages gradients)."""
+    rows = slice(dp_rank * ROWS // dp_size, (dp_rank + 1) * ROWS // dp_size)
+    return [{k: v[rows] for k, v in b.items()} for b in batches], items / dp_size
+
+
+def _worker(rank, world_size, init_file, out_dir):
+    mesh, dp_rank, dp_size = _pp_dp_mesh(rank, world_size, init_file)
     batches, items = _micro_batches()
     results = {}
     for schedule in SCHEDULES:
         for fsdp in (False, True):
             pipeline = DLMPipeline(_model(), pp_mesh=mesh["pp"], schedule=schedule,
                                    dp_mesh=mesh["dp_shard"] if fsdp else None)
-            if fsdp:  # each data-parallel rank runs its half of every micro-batch; FSDP averages the gradients
-                rows = slice(dp_rank * ROWS // dp_size, (dp_rank + 1) * ROWS // dp_size)
-                inputs, normaliser = [{k: v[rows] for k, v in b.items()} for b in batches], items / dp_size
-            else:  # every data-parallel replica runs the whole batch on its own pipeline
-                inputs, normaliser = batches, items
+            # FSDP: each data-parallel rank runs its half of every micro-batch; else every replica the whole batch
+            inputs, normaliser = _dp_share(batches, items, dp_rank, dp_size) if fsdp else (batches, items)
             loss = pipeline.step(inputs, normaliser)
             if loss is not None and fsdp:
                 loss = loss / dp_size  # this rank's share (the normaliser was divided by dp_size)
@@ -116,6 +122,71 @@ def test_pipeline_matches_single_process(pipeline_results, schedule, fsdp):
         assert ranks[0][3] == [[0, 1]] and ranks[2][3] == [[2, 3]]
 
 
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.5,
+           router_z_loss_coef=0.1, mlp_only_layers=[0])  # layer 0 dense, layers 1-3 MoE: stages of unequal MoE counts
+
+
+def _moe_reference(dp_size):
+    """Loss and gradients of the unsplit MoE model over the window, as DLMTrainer forms them: the cross-entropy
+    over the global normaliser plus each micro-batch's router loss / micro-batches; with data parallelism
+    the router losses are per data-parallel shard of the rows, averaged over the shards."""
+    model = tiny_model("sdpa", num_hidden_layers=LAYERS, **MOE).train()
+    batches, items = _micro_batches()
+    cross_entropy, routers = 0.0, torch.zeros(2)
+    for batch in batches:
+        for shard in range(dp_size):
+            rows = slice(shard * ROWS // dp_size, (shard + 1) * ROWS // dp_size)
+            out = model(**{k: v[rows] for k, v in batch.items()}, num_items_in_batch=items)
+            (out.loss - out.router_loss + out.router_loss / (MICRO_BATCHES * dp_size)).backward()
+            cross_entropy += (out.loss - out.router_loss).detach()
+            routers += torch.stack([out.aux_loss, out.router_z_loss]).detach() / dp_size
+    return cross_entropy, routers, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _moe_worker(rank, world_size, init_file, out_dir):
+    mesh, dp_rank, dp_size = _pp_dp_mesh(rank, world_size, init_file)
+    batches, items = _micro_batches()
+    results = {}
+    for schedule, fsdp in (("1f1b", False), ("interleaved_1f1b", False), ("1f1b", True)):
+        pipeline = DLMPipeline(tiny_model("sdpa", num_hidden_layers=LAYERS, **MOE).train(), pp_mesh=mesh["pp"],
+                               schedule=schedule, dp_mesh=mesh["dp_shard"] if fsdp else None)
+        inputs, normaliser = _dp_share(batches, items, dp_rank, dp_size) if fsdp else (batches, items)
+        loss = pipeline.step(inputs, normaliser)
+        routers = pipeline.router_totals()
+        if fsdp:
+            routers = routers / dp_size
+            dist.all_reduce(routers, group=mesh["dp_shard"].get_group())
+            if loss is not None:
+                loss = loss / dp_size
+                dist.all_reduce(loss, group=mesh["dp_shard"].get_group())
+        grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                 for name, p in pipeline.model.named_parameters()}
+        results[(schedule, fsdp)] = (loss, routers, grads)
+    torch.save(results, os.path.join(out_dir, f"moe_rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_moe_pipeline_matches_single_process():
+    """Router losses never cross stages: each stage ties its own into the backward. Gradients, the loss and the
+    logged router losses equal the unsplit model's, with PP=2, interleaved (4 stages) and PP=2 x FSDP2=2."""
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(_moe_worker, args=(4, os.path.join(folder, "init"), folder), nprocs=4, start_method="fork")
+        ranks = [torch.load(os.path.join(folder, f"moe_rank{r}.pt")) for r in range(4)]
+    for (schedule, fsdp) in ranks[0]:
+        ref_loss, ref_routers, ref_grads = _moe_reference(2 if fsdp else 1)
+        assert ref_routers[0] > 0 and ref_routers[1] > 0
+        torch.testing.assert_close(ranks[2][(schedule, fsdp)][0], ref_loss.reshape(()), rtol=0, atol=1e-5)
+        grads = {}
+        for rank in ranks:
+            _, routers, rank_grads = rank[(schedule, fsdp)]
+            torch.testing.assert_close(routers, ref_routers, rtol=0, atol=1e-5)  # the same on every rank
+            grads.update(rank_grads)
+        assert grads.keys() == ref_grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=1e-5, msg=f"{schedule} {fsdp}: {name}")
+
+
 def test_short_window_runs_through_gpipe(pipeline_results):
     model = _model()
     batches, items = _micro_batches()
@@ -141,9 +212,6 @@ def test_split_layers_and_plan():
     assert sorted(last.state_dict()) == sorted(k for k in model.state_dict() if k.startswith(owned))
     with pytest.raises(NotImplementedError, match="tie_word_embeddings"):
         check_pipeline_model(tiny_model(tie_word_embeddings=True))
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):  # router losses would be dropped
-        check_pipeline_model(tiny_model(tie_word_embeddings=False, num_experts=2, num_experts_per_tok=1,
-                                        moe_intermediate_size=32))
 
 
 def test_stages_chained_equal_the_model():

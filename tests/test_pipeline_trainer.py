@@ -108,6 +108,34 @@ def test_pp2_trains_like_one_process(pipeline_run, single_run):
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-5, msg=name)
 
 
+def test_moe_pp2_trains_like_one_process(tmp_path):
+    """A mixture-of-experts model (layer 0 dense, 1-3 sparse) on PP=2: the logged loss (router losses included),
+    gradient norm and the routers' load-balancing and z losses equal a one-process run's."""
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.5,
+               router_z_loss_coef=0.1, mlp_only_layers=[0])
+    configs = {}
+    for name, training in (("pp2", dict(save_strategy="no")),
+                           ("pp1", dict(pp_size=1, per_device_train_batch_size=4, save_strategy="no"))):
+        config = json.loads(json.dumps(CONFIG))
+        config["model"]["config"].update(moe)
+        config["training"].update(training, output_dir=str(tmp_path / name))
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
+        configs[name] = str(tmp_path / f"{name}.yaml")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(_free_port()), os.path.join(ROOT, "tests", "pipeline_trainer_worker.py"), configs["pp2"],
+               str(tmp_path / "out.json"), "--no-resume"]
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    pp_logs = json.loads((tmp_path / "out.json").read_text())["logs"]
+    _, logs = _train(configs["pp1"])
+    assert [log["step"] for log in pp_logs] == [log["step"] for log in logs] == [1, 2, 3, 4]
+    assert logs[0]["aux_loss"] > 0 and logs[0]["router_z_loss"] > 0
+    for key in ("loss", "grad_norm", "aux_loss", "router_z_loss"):
+        torch.testing.assert_close(torch.tensor([log[key] for log in pp_logs]), torch.tensor([log[key] for log in logs]),
+                                   rtol=1e-5, atol=1e-6, msg=key)
+
+
 def test_resume_in_the_same_layout_equals_the_uninterrupted_run(pipeline_run):
     _, record = pipeline_run
     assert [log["step"] for log in record["resumed_logs"]] == [3, 4]

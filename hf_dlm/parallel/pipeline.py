@@ -13,6 +13,10 @@
   micro-batches, all ranks) and the schedule's own 1 / micro-batches scaling is off, so the gradients equal
   the single-process ones; the noise is made before the pipeline (keyed by sample index), so every
   stage sees the same corrupted batch.
+- Mixture-of-experts stages: a stage's router losses (load-balancing and z, over its MoE layers) never
+  travel between stages; they join the backward through `_RouterLossGrad` on the stage's hidden states (the
+  way Megatron-LM's aux-loss scaler does), weighted as the unsplit model's router loss averaged over the
+  micro-batches. Their values come back from `DLMPipeline.router_totals` for logging.
 - `pipeline_schedule_terms`: the bubble and memory terms of a layout (for the planner).
 """
 
@@ -28,6 +32,7 @@ from transformers.utils import logging
 
 from ..modeling.loss import masked_lm_loss
 from ..modeling.modeling_dlm import decoder_layer_inputs
+from ..modeling.moe import DLMSparseMoeBlock
 
 logger = logging.get_logger(__name__)
 
@@ -85,6 +90,21 @@ def split_layers(num_layers: int, num_stages: int, split_points: list[int] | Non
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+class _RouterLossGrad(torch.autograd.Function):
+    """Identity on `hidden_states` whose backward also gives `router_loss` (a weighted scalar) the gradient 1:
+    the loss enters the backward without being an output of the stage (hand-written: torch has no such op)."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, router_loss):
+        ctx.save_for_backward(router_loss)
+        return hidden_states.view_as(hidden_states)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (router_loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(router_loss)
+
+
 class DLMPipelineStageModule(nn.Module):
     """Decoder layers `layer_indices` of a `DLMForDiffusionLM` (plus the embeddings on the first stage, the
     final norm and the head on the last), under the full model's parameter names.
@@ -109,6 +129,12 @@ class DLMPipelineStageModule(nn.Module):
         self.model.rotary_emb = base.rotary_emb  # buffers only, shared by the stages of a rank
         self.is_first, self.is_last = is_first, is_last
         self.loss_normaliser: torch.Tensor | None = None
+        # MoE: the unsplit model averages the router losses over all its MoE layers and the trainer over the
+        # micro-batches; router_loss_weight (1 / micro-batches) is set by DLMPipeline.step
+        self.moe_blocks = [layer.mlp for layer in self.model.layers.values() if isinstance(layer.mlp, DLMSparseMoeBlock)]
+        self.total_moe_layers = sum(model.config.is_moe_layer(i) for i in range(model.config.num_hidden_layers))
+        self.router_loss_weight = 1.0
+        self.router_values: list[torch.Tensor] = []  # (aux, z) of this stage's layers / total_moe_layers, per forward
         self.compile_loss_head = getattr(model, "compile_loss_head", False)
         self.loss_grad_in_forward = getattr(model, "loss_grad_in_forward", True)
 
@@ -124,8 +150,16 @@ class DLMPipelineStageModule(nn.Module):
         mask, position_embeddings = decoder_layer_inputs(
             self.config, self.model.rotary_emb, hidden_states, attention_mask, position_ids, two_stream
         )
+        if self.moe_blocks:  # padding stays out of the router losses, as in DLMModel.forward
+            key_padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+            if two_stream and key_padding is not None:
+                key_padding = torch.cat([key_padding, key_padding], dim=1)
+            for block in self.moe_blocks:
+                block.token_mask = key_padding
         for layer in self.model.layers.values():
             hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings)
+        if self.moe_blocks:
+            hidden_states = self._with_router_losses(hidden_states)
         if not self.is_last:
             return hidden_states
         if labels is None or self.loss_normaliser is None:
@@ -135,6 +169,22 @@ class DLMPipelineStageModule(nn.Module):
                                  self.config.loss_chunk_size, compiled=self.compile_loss_head,
                                  grad_in_forward=self.loss_grad_in_forward)
         return loss.reshape(1)  # (1,): the schedule concatenates the micro-batches' outputs
+
+    def _with_router_losses(self, hidden_states):
+        """Read this stage's router losses (the blocks clear them) and tie them into the backward."""
+        losses = [block.router_losses for block in self.moe_blocks if block.router_losses is not None]
+        for block in self.moe_blocks:
+            block.router_losses = block.token_mask = None
+        if not losses:
+            return hidden_states
+        aux = torch.stack([balance for balance, _ in losses]).sum() / self.total_moe_layers
+        z = torch.stack([z for _, z in losses]).sum() / self.total_moe_layers
+        if not aux.is_meta:  # the pipeline's shape inference runs the stage on meta tensors
+            self.router_values.append(torch.stack([aux, z]).detach().float())
+        if not torch.is_grad_enabled():
+            return hidden_states
+        weighted = (self.config.router_aux_loss_coef * aux + self.config.router_z_loss_coef * z) * self.router_loss_weight
+        return _RouterLossGrad.apply(hidden_states, weighted)
 
 
 class DLMPipelineModel(nn.Module):
@@ -268,12 +318,26 @@ class DLMPipeline:
         batch = _concatenate(micro_batches)
         for stage in self.stages:
             stage.submod.loss_normaliser = torch.as_tensor(loss_normaliser, device=self.device)
+            stage.submod.router_loss_weight = 1.0 / len(micro_batches)
+            stage.submod.router_values = []
         schedule = self._schedule_for(len(micro_batches))
         kwargs = {k: batch[k] for k in _STAGE_KWARGS if k in batch}
         args = (batch["input_ids"],) if self.has_first_stage else ()
         losses = [] if self.has_last_stage else None
         schedule.step(*args, target=batch["labels"], losses=losses, **kwargs)
         return torch.stack(losses).sum() if losses is not None else None
+
+    def router_totals(self) -> torch.Tensor | None:
+        """MoE: (load-balancing, z) losses of the last step, each the unsplit model's mean over its MoE layers,
+        summed over the step's micro-batches; the same on every rank of the pipeline. None without MoE layers."""
+        if not self.model.config.num_experts:
+            return None
+        # the last m forwards of each stage: the first step's metadata inference runs the stage once more before them
+        m = self._n_microbatches
+        values = [v for stage in self.stages for v in stage.submod.router_values[-m:]]
+        total = torch.stack(values).sum(0) if values else torch.zeros(2, device=self.device)
+        dist.all_reduce(total, group=self.group)  # the stages hold disjoint layers
+        return total
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Total gradient norm over every stage and shard (clipped to max_norm unless it is inf)."""
@@ -317,9 +381,6 @@ def check_pipeline_model(model) -> None:
     if getattr(config, "tie_word_embeddings", False):
         raise NotImplementedError("pipeline parallelism with tie_word_embeddings=True: the embedding (first stage) and "
                                   "lm_head (last stage) would be one weight on two ranks; untie them first")
-    if getattr(config, "num_experts", 0):
-        raise NotImplementedError("pipeline parallelism with a mixture-of-experts model: the stages do not carry the "
-                                  "router losses to the last stage's loss yet; use FSDP2 / expert parallel (ep_size)")
     if not hasattr(getattr(model, getattr(model, "base_model_prefix", "model"), None), "rotary_emb"):
         raise TypeError(f"pipeline parallelism splits a DLMForDiffusionLM, got {type(model).__name__}")
     if any(p.device.type == "meta" for p in model.parameters()):

@@ -100,6 +100,14 @@ class PipelineTrainingMixin:
             self._add("ce_count", torch.zeros(self.args.t_buckets))
         self._collect_t_buckets()
         self._pipeline_window = None
+        routers = pipeline.router_totals()  # MoE: summed over the micro-batches, the same on every pp rank
+        if routers is not None:
+            self._add("router_batches", len(window))
+            self._add("aux_loss", routers[0])
+            self._add("router_z_loss", routers[1])
+            config = pipeline.model.config  # the logged loss holds the router losses, as DLMTrainer's does
+            router_loss = (config.router_aux_loss_coef * routers[0] + config.router_z_loss_coef * routers[1]) / len(window)
+            loss = None if loss is None else loss + router_loss
         # the logged loss is averaged over all pp x dp ranks, of which the dp last-stage ranks hold a loss each
         return zero if loss is None else loss.detach().to(zero.device).reshape(()) * pipeline.pp_size
 

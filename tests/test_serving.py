@@ -68,6 +68,31 @@ def test_engine_rows_decode_as_generate_alone_while_sharing_forwards():
         engine.sampling_params(max_new_tokens=8, cache="dual")
 
 
+def test_engine_classifier_free_guidance_decodes_as_generate():
+    # guided rows bring their unconditional copy (prompt masked) into the shared forward; unguided rows beside them
+    model = tiny_model(eos_token_id=5)
+    with torch.no_grad():  # a sharper head: guidance then changes which tokens win
+        model.lm_head.weight.mul_(8)
+    engine = ContinuousBatchingEngine(model, max_batch_size=8)
+    generator = torch.Generator().manual_seed(1)
+    cases = [(3, 8, 4, 8, 0.0, 1.5), (6, 8, 4, 8, 0.8, 0.5), (4, 12, 4, 6, 0.0, 0.0), (8, 8, 8, 8, 1.0, 3.0)]
+    rows = []
+    for seed, (length, new, block, steps, temperature, cfg) in enumerate(cases):
+        ids = torch.randint(0, 90, (length,), generator=generator).tolist()
+        options = dict(max_new_tokens=new, block_length=block, steps=steps, temperature=temperature, cfg_scale=cfg,
+                       stop_on_eos=False)
+        rows.append((ids, seed, options, GenerationRequest(ids, engine.sampling_params(seed=seed, **options))))
+    engine.submit([r[-1] for r in rows])
+    engine.run_until_idle()
+    for ids, seed, options, request in rows:
+        assert request.generated == reference(model, ids, seed, **options), options
+    # guidance matters here: without it some guided row decodes differently
+    assert any(request.generated != reference(model, ids, seed, **{**options, "cfg_scale": 0.0})
+               for ids, seed, options, request in rows if options["cfg_scale"])
+    with pytest.raises(ValueError, match="cfg_scale"):
+        engine.sampling_params(max_new_tokens=8, cfg_scale=1.0, cache="dual")
+
+
 @pytest.mark.parametrize("attn, alignment", [("sdpa", "same"), ("eager", "shift")])
 def test_engine_prefix_and_dual_caches_decode_as_generate_with_that_cache(attn, alignment):
     model = tiny_model(attn_implementation=attn, eos_token_id=5, label_alignment=alignment)
@@ -132,6 +157,9 @@ def test_openai_client_completes_chats_and_streams(server):
     chat_ids = server.tokenizer("<|user|>hi<|assistant|>", add_special_tokens=False)["input_ids"]
     assert chat.choices[0].message.content == expected_text(server, chat_ids, **DLM)
     assert chat.choices[0].message.role == "assistant"
+    guided = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={**DLM, "cfg_scale": 2.0})
+    assert guided.choices[0].text == expected_text(server, ids, cfg_scale=2.0, **DLM)
 
     # a stream delivers the same text, one event per committed block (8 tokens = 2 blocks of 4)
     chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True,
@@ -175,7 +203,8 @@ def test_errors_name_the_field_and_limits_apply(server):
              ({"prompt": "x", "max_tokens": 64}, 400, "max_tokens"),
              ({"prompt": "word " * 60}, 400, "prompt"),
              ({"prompt": "x", "cache": "full"}, 422, "cache"),
-             ({"prompt": "x", "max_tokens": 8, "block_length": 4, "cfg_scale": 1.0}, 422, "cfg_scale"),
+             ({"prompt": "x", "max_tokens": 8, "block_length": 4, "cfg_scale": -1.0}, 422, "cfg_scale"),
+             ({"prompt": "x", "max_tokens": 8, "block_length": 4, "cfg_scale": 1.0, "cache": "dual"}, 400, "cfg_scale"),
              ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
              ({"prompt": ""}, 400, "prompt"),
              ({}, 422, "prompt")]

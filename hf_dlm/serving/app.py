@@ -132,12 +132,14 @@ class DLMServer:
                     params = self.engine.sampling_params(
                         max_new_tokens=canvas, block_length=block_length, steps=body.steps or canvas,
                         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, threshold=body.threshold,
-                        cache=body.cache, remasking=body.remasking,
+                        cache=body.cache, remasking=body.remasking, cfg_scale=body.cfg_scale,
                         seed=None if body.seed is None else body.seed + i)
                 except ValueError as error:
                     message = str(error)
-                    param = next((f for f in _FIELDS if f in message.split(" ")[0] or f"{f} " in message
-                                  or f"{f}=" in message or f".{f}" in message), None)
+                    first = message.split(" ")[0].rstrip(":")  # a message that starts with a field names it
+                    param = first if first in _FIELDS else next(
+                        (f for f in _FIELDS if f in message.split(" ")[0] or f"{f} " in message or f"{f}=" in message
+                         or f".{f}" in message), None)
                     raise APIError(400, message, param) from None
                 choices.append(_Choice(self, ids, params, max_tokens, body.stop_list(), loop, p * body.n + i))
         return choices

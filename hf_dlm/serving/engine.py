@@ -7,7 +7,7 @@ random generator, exactly as `model.generate` would decode it alone. One `step()
 2. runs ONE forward over every uncached row that has something to commit at this step, left-padded to
    the longest canvas (the model derives positions from the attention mask, so padding shifts nothing),
    and sends only each row's current block through the LM head (cached rows: one forward for those at
-   a block start, one for the windows of the others);
+   a block start, one for the windows of the others; a row with `cfg_scale` brings its unconditional copy);
 3. commits tokens per row with the sampler's own arithmetic (`generation_sampling`: LLaDA budgets,
    float64 Gumbel-max, confidence, Fast-dLLM threshold);
 4. at a row's block boundary: reports the committed block (streaming), applies `stop_on_eos` and the
@@ -63,6 +63,7 @@ class SamplingParams:
     stop_on_eos: bool = True
     seed: int | None = None
     cache: str = "none"  # "prefix" / "dual": Fast-dLLM's caches (bidirectional models)
+    cfg_scale: float = 0.0  # classifier-free guidance: an unconditional copy (prompt masked) joins the forward
 
     @classmethod
     def from_generation_config(cls, generation_config, attention_mode: str = "bidirectional",
@@ -87,12 +88,12 @@ class SamplingParams:
         if cache != "none" and attention_implementation not in ("eager", "sdpa"):
             raise ValueError(f"cache={cache!r} in the serving engine needs attn_implementation 'sdpa' or 'eager', "
                              f"not {attention_implementation!r}")
-        if config.cfg_scale:
-            raise ValueError("cfg_scale: classifier-free guidance is not supported by the serving engine")
+        if config.cfg_scale and cache != "none":
+            raise ValueError(f"cfg_scale: the serving engine guides rows without a KV cache only (asked: {cache!r})")
         return cls(max_new_tokens=new_tokens, block_length=block_length, steps=steps,
                    temperature=config.sampling_temperature, top_p=config.top_p, top_k=config.top_k,
                    threshold=config.threshold, remasking=config.remasking, stop_on_eos=config.stop_on_eos, seed=seed,
-                   cache=cache)
+                   cache=cache, cfg_scale=config.cfg_scale or 0.0)
 
 
 @dataclass
@@ -279,8 +280,24 @@ class ContinuousBatchingEngine:
             self.step()
 
     def _block_logits(self, rows: list[_Row]) -> torch.Tensor:
-        """One forward over `rows` (left-padded) -> logits (b, W_max, V) of each row's current block."""
-        canvases = [row.canvas for row in rows]
+        """One forward over `rows` (left-padded) -> logits (b, W_max, V) of each row's current block. A row with
+        `cfg_scale` adds its unconditional copy (prompt masked) to the same forward; its logits are guided,
+        uncond + (cfg_scale + 1) * (cond - uncond), as `model.generate(cfg_scale=...)` does."""
+        guided = [i for i, row in enumerate(rows) if row.params.cfg_scale]
+        unconditional = [rows[i].canvas.clone() for i in guided]
+        for i, canvas in zip(guided, unconditional):
+            canvas[: rows[i].prompt_len] = self.mask_id
+        logits = self._forward_blocks(rows + [rows[i] for i in guided], [row.canvas for row in rows] + unconditional)
+        if not guided:
+            return logits
+        cond, uncond = logits[guided], logits[len(rows):]
+        scale = torch.tensor([rows[i].params.cfg_scale for i in guided], device=self.device, dtype=logits.dtype)
+        logits = logits[: len(rows)].clone()
+        logits[guided] = uncond + (scale.view(-1, 1, 1) + 1) * (cond - uncond)
+        return logits
+
+    def _forward_blocks(self, rows: list[_Row], canvases: list[torch.Tensor]) -> torch.Tensor:
+        """One forward over `canvases` (left-padded) -> logits (b, W_max, V) of each row's current block."""
         input_ids = torch.nn.utils.rnn.pad_sequence(canvases, batch_first=True, padding_value=self.mask_id,
                                                     padding_side="left")  # (b, L)
         lengths = torch.tensor([c.numel() for c in canvases], device=self.device)

@@ -33,6 +33,7 @@ class SamplingFields(BaseModel):
     cache: Literal[CACHE_MODES] | None = Field(None, description=DLM_GENERATION_FIELDS["cache"][1])
     remasking: Literal[REMASKING] | None = Field(None, description=DLM_GENERATION_FIELDS["remasking"][1])
     top_k: int | None = Field(None, ge=1)
+    cfg_scale: float | None = Field(None, ge=0.0, description=DLM_GENERATION_FIELDS["cfg_scale"][1])
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -91,6 +91,7 @@ def test_moe_fields_are_counted():
     assert shape.active_params() == dense.total_params() + 2 * (2 * 3 * 32 * 16 + 32 * 8 - 3 * 32 * 64)
     layouts = candidate_layouts(shape, 4, 64)
     assert any(layout.ep == 4 for layout in layouts) and all(layout.ep > 1 for layout in layouts if layout.dp_shard == 4)
+    assert {(l.pp, l.dp_shard, l.ep) for l in layouts if l.pp > 1} == {(2, 2, 1)}  # 2 layers: pp 4 has no layout
     ep = plan_layout(shape, Layout(1, 4, 1, 1, ep=4), 64, 2)
     no_ep = plan_layout(shape, Layout(1, 4, 1, 1, ep=1), 64, 2)
     assert ep.params_gib == pytest.approx(no_ep.params_gib)  # experts sharded over ep x efsdp = dp_shard

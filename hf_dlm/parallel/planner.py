@@ -258,9 +258,8 @@ def candidate_layouts(shape: ModelShape, gpus: int, seq_len: int, max_tp: int = 
             eps = [e for e in divisors if e > 1 and e % cp == 0 and dp_shard % (e // cp) == 0
                    and shape.experts % e == 0] or [1]
         layouts.extend(Layout(rep, dp_shard, cp, tp, ep) for ep in eps)
-    # pipelines as DLMTrainer runs them: pp x dp_shard (FSDP2 inside each stage), dense models
-    if not shape.experts:
-        layouts.extend(Layout(1, gpus // pp, 1, 1, pp=pp) for pp in divisors if 1 < pp <= shape.layers)
+    # pipelines as DLMTrainer runs them: pp x dp_shard (FSDP2 inside each stage; MoE without expert parallelism)
+    layouts.extend(Layout(1, gpus // pp, 1, 1, pp=pp) for pp in divisors if 1 < pp <= shape.layers)
     return layouts
 
 

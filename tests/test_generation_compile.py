@@ -145,6 +145,25 @@ def test_captured_steps_equal_plain_steps(emulated_graphs, compile_choice):
         assert captures[1].replays == 3 - 1  # the refresh at each of the 3 block starts
 
 
+@pytest.mark.parametrize("compile_choice", [None, "eager"])
+@pytest.mark.parametrize("cache,threshold,cfg_scale,lengths", [
+    ("prefix", None, 0.0, [7, 7]),  # the prefix cache's window narrows every block: one graph per block
+    ("dual", 0.5, 0.0, [5, 9, 3]),  # threshold decoding, left padding (a mask in every forward)
+    ("dual", None, 1.5, [7, 7]),  # classifier-free guidance: the unconditional copy in the same graph
+])
+def test_captured_steps_equal_plain_steps_in_every_cached_mode(emulated_graphs, compile_choice, cache, threshold,
+                                                             cfg_scale, lengths):
+    model = confident_model()
+    _, input_ids, attention_mask = left_padded(lengths)
+    options = dict(max_new_tokens=24, block_length=8, steps=24, temperature=0.0, cache=cache, threshold=threshold,
+                   cfg_scale=cfg_scale)
+    plain = model.generate(input_ids, attention_mask=attention_mask, **options)
+    captures = emulated_graphs()
+    captured = model.generate(input_ids, attention_mask=attention_mask, compile=compile_choice, **options)
+    assert torch.equal(captured, plain)
+    assert captures and sum(graph.replays for graph in captures) > 0
+
+
 def test_step_graphs_key_on_shapes_and_flags(emulated_graphs):
     captures = emulated_graphs()
     graphs = generation_compile.StepGraphs(confident_model(), enabled=True)

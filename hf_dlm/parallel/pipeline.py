@@ -179,7 +179,7 @@ class DLMPipelineStageModule(nn.Module):
             return hidden_states
         aux = torch.stack([balance for balance, _ in losses]).sum() / self.total_moe_layers
         z = torch.stack([z for _, z in losses]).sum() / self.total_moe_layers
-        if not aux.is_meta:  # the pipeline's shape inference runs the stage on meta tensors
+        if not aux.is_meta:  # shape inference: meta tensors, or one more real forward (router_totals skips it)
             self.router_values.append(torch.stack([aux, z]).detach().float())
         if not torch.is_grad_enabled():
             return hidden_states

@@ -6,8 +6,9 @@ captures each static shape of the compiled forward as one CUDA graph (`StepGraph
 block start and the window step), so a step costs one launch. `compile=True` on CUDA is that pairing
 (Inductor's "default" mode plus hf-dlm's graphs); Inductor's own graphs (`"reduce-overhead"`) and
 Dynamo's `"cudagraphs"` backend (no Inductor) are slower here (LLaDA-8B shape, one H200, batch 1: 148
-against 130 and 51 tokens/s, benchmarks/RESULTS.md). Capture needs the same shapes every step and no host syncs or data-dependent Python
-inside the graph, so the compiled sampler differs from the eager one in how it calls the model only:
+against 130 and 51 tokens/s, benchmarks/RESULTS.md). Capture needs the same shapes every step and no
+host syncs or data-dependent Python inside the graph, so the compiled sampler differs from the eager one
+in how it calls the model only:
 
 - the batch stays whole (finished rows still go through the forward; their commits are masked),
 - without a cache the query is the whole canvas; with the dual cache it is the block (keys: the whole
@@ -152,6 +153,9 @@ class StepGraphs:
 
     def __init__(self, model, enabled: bool):
         self.model, self.enabled, self.graphs = model, enabled, {}
+        # plain calls get the graph's kind of inputs (separate contiguous buffers) only where a capture can
+        # follow: else Dynamo's guards (aliasing, e.g. positions passed twice; strides) compile another graph
+        self.fresh_inputs = enabled
 
     def __call__(self, forward, tensors: dict, **fixed):
         fixed["model"] = self.model
@@ -165,9 +169,7 @@ class StepGraphs:
                 self.graphs[key] = None
         if step is not None:
             return step(tensors)
-        # the graph's inputs are separate contiguous buffers: so are a plain call's, or Dynamo would compile
-        # another graph for the capture (its guards see aliasing, e.g. positions passed twice, and strides)
-        return forward(**_fresh(tensors), **fixed)
+        return forward(**(_fresh(tensors) if self.fresh_inputs else tensors), **fixed)
 
     def _capture(self, forward, tensors, fixed):
         """A `CapturedStep`, or None (plain forwards from now on, said once) if no SDPA kernel captures.
@@ -189,5 +191,5 @@ class StepGraphs:
         return None
 
 
-__all__ = ["COMPILE_CHOICES", "MAX_COMPILED_GRAPHS", "CapturedStep", "StepGraphs", "compiled_forward", "resolve_compile",
-           "static_forward"]
+__all__ = ["COMPILE_CHOICES", "MAX_COMPILED_GRAPHS", "CapturedStep", "StepGraphs", "compiled_forward",
+           "resolve_compile", "static_forward"]

@@ -25,7 +25,8 @@ DLM_GENERATION_FIELDS = {
                     "the forward batch"),
     "mask_token_id": (None, "default: model.config.mask_token_id"),
     "compile": (None, "run the sampler's forward through torch.compile with static shapes (fixed batch, block-sized "
-                "windows): True (Inductor's default mode; on CUDA each static shape is then replayed as one CUDA graph), a torch.compile mode "
+                "windows): True (Inductor's default mode; on CUDA each static shape is then replayed as one CUDA "
+                "graph), a torch.compile mode "
                 "('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs') or a backend "
                 "('cudagraphs': CUDA graphs without Inductor, compiles in seconds; 'eager': tracing only); "
                 "same tokens as eager; not for infilling or attention_mode='block' caches"),

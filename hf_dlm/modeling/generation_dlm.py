@@ -35,7 +35,6 @@ setting, and a row leaves the forward batch once it has nothing left to commit i
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch

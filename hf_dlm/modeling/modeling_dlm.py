@@ -200,6 +200,14 @@ def decoder_layer_inputs(config, rotary_emb, hidden_states, attention_mask=None,
     return mask, rotary_emb(hidden_states, rope_positions)
 
 
+def router_token_mask(attention_mask, two_stream: bool = False):
+    """The real tokens (B, L), or (B, 2L) for two-stream input, over which the MoE blocks average their router
+    losses; None when the mask is not a 2-D padding mask (every token counts)."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    return torch.cat([attention_mask, attention_mask], dim=1) if two_stream else attention_mask
+
+
 class DLMPreTrainedModel(PreTrainedModel):
     config_class = DLMConfig
     config: DLMConfig
@@ -305,10 +313,7 @@ class DLMModel(DLMPreTrainedModel):
             self.config, self.rotary_emb, hidden_states, attention_mask, position_ids, two_stream
         )
         all_hidden_states = () if output_hidden_states else None
-        key_padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-        if two_stream and key_padding is not None:
-            key_padding = torch.cat([key_padding, key_padding], dim=1)
-        self._set_router_token_mask(key_padding)
+        self._set_router_token_mask(router_token_mask(attention_mask, two_stream))
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states[:, :seq_len],)

@@ -31,7 +31,7 @@ from torch import nn
 from transformers.utils import logging
 
 from ..modeling.loss import masked_lm_loss
-from ..modeling.modeling_dlm import decoder_layer_inputs
+from ..modeling.modeling_dlm import decoder_layer_inputs, router_token_mask
 from ..modeling.moe import DLMSparseMoeBlock
 
 logger = logging.get_logger(__name__)
@@ -150,12 +150,9 @@ class DLMPipelineStageModule(nn.Module):
         mask, position_embeddings = decoder_layer_inputs(
             self.config, self.model.rotary_emb, hidden_states, attention_mask, position_ids, two_stream
         )
-        if self.moe_blocks:  # padding stays out of the router losses, as in DLMModel.forward
-            key_padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-            if two_stream and key_padding is not None:
-                key_padding = torch.cat([key_padding, key_padding], dim=1)
-            for block in self.moe_blocks:
-                block.token_mask = key_padding
+        token_mask = router_token_mask(attention_mask, two_stream) if self.moe_blocks else None
+        for block in self.moe_blocks:  # padding stays out of the router losses, as in DLMModel.forward
+            block.token_mask = token_mask
         for layer in self.model.layers.values():
             hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings)
         if self.moe_blocks:

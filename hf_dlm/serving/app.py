@@ -136,9 +136,10 @@ class DLMServer:
                         seed=None if body.seed is None else body.seed + i)
                 except ValueError as error:
                     message = str(error)
-                    first = message.split(" ")[0].rstrip(":")  # a message that starts with a field names it
-                    param = first if first in _FIELDS else next(
-                        (f for f in _FIELDS if f in message.split(" ")[0] or f"{f} " in message or f"{f}=" in message
+                    first = message.split(" ")[0]
+                    # a message that starts with a field names it; else the first field it mentions
+                    param = first.rstrip(":") if first.rstrip(":") in _FIELDS else next(
+                        (f for f in _FIELDS if f in first or f"{f} " in message or f"{f}=" in message
                          or f".{f}" in message), None)
                     raise APIError(400, message, param) from None
                 choices.append(_Choice(self, ids, params, max_tokens, body.stop_list(), loop, p * body.n + i))

@@ -46,20 +46,19 @@ def get_dlm_peft_model(model, peft_config=None, **config_kwargs):
     return get_peft_model(model, peft_config or dlm_lora_config(**config_kwargs))
 
 
-
-
-def _mergeable(layer) -> bool:
-    """A plain LoRA Linear whose active adapters add `get_delta_weight` to a local (unsharded) weight."""
+def _mergeable_adapters(layer) -> list[str] | None:
+    """The active adapters of a plain LoRA Linear whose `get_delta_weight`s add to a local (unsharded) weight;
+    None for any other layer."""
     from peft.tuners.lora.layer import Linear
 
     if not isinstance(layer, Linear) or layer.merged or layer.disable_adapters:
-        return False
-    weight = layer.get_base_layer().weight
-    if type(weight.data) is not torch.Tensor:  # DTensor (FSDP2 / TP) or another subclass: left unmerged
-        return False
+        return None
+    if type(layer.get_base_layer().weight.data) is not torch.Tensor:  # DTensor (FSDP2 / TP): left unmerged
+        return None
     adapters = [name for name in layer.active_adapters if name in layer.lora_A]
-    return all(not layer.use_dora.get(name, False) and not getattr(layer, "lora_bias", {}).get(name, False)
-               for name in adapters)
+    if any(layer.use_dora.get(name, False) or getattr(layer, "lora_bias", {}).get(name, False) for name in adapters):
+        return None
+    return adapters
 
 
 @contextmanager
@@ -72,7 +71,7 @@ def merged_lora_weights(model):
     while it lasts. Layers that cannot merge this way (DoRA, LoRA bias, sharded weights) stay as they are;
     a model without LoRA layers is untouched."""
     try:
-        from peft.tuners.lora.layer import LoraLayer
+        import peft  # noqa: F401
     except ImportError:  # peft absent: nothing can be adapted
         yield model
         return
@@ -80,11 +79,12 @@ def merged_lora_weights(model):
     try:
         with torch.no_grad():
             for layer in model.modules():
-                if not isinstance(layer, LoraLayer) or not _mergeable(layer):
+                adapters = _mergeable_adapters(layer)
+                if not adapters:
                     continue
                 base = layer.get_base_layer()
                 original = base.weight.data
-                delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters if name in layer.lora_A)
+                delta = sum(layer.get_delta_weight(name) for name in adapters)
                 base.weight.data = original + delta.to(original.dtype)
                 # peft's own flag, not enable_adapters(False): that one also rewrites requires_grad on the way back
                 layer._disable_adapters = True

@@ -28,7 +28,7 @@ from trl import SFTTrainer  # noqa: E402
 
 from ..modeling.loss import IGNORE_INDEX  # noqa: E402
 from .sft_config import DLMSFTConfig  # noqa: E402
-from .trainer import antithetic_group, rescale_router_loss  # noqa: E402
+from .trainer import antithetic_group, corrupted_model_inputs, rescale_router_loss  # noqa: E402
 from .trl_compat import ensure_mask_token, load_dlm, without_causal_lm_head  # noqa: E402
 
 
@@ -136,22 +136,14 @@ class DLMSFTTrainer(SFTTrainer):
 
     def _corrupt(self, inputs, device, t_group=None) -> dict:
         """A clean micro-batch -> the model's inputs, with this micro-batch's statistics under _CORRUPTED."""
-        inputs = {key: value.to(device) if torch.is_tensor(value) else value for key, value in inputs.items()}
-        sample_index = inputs["sample_index"]
-        t_slot = None if t_group is None else torch.searchsorted(t_group[0], sample_index)
-        corrupted = self.objective.corrupt(inputs["input_ids"], sample_index, inputs.get("attention_mask"),
-                                           inputs.get("prompt_mask"), t_slot, None if t_group is None else t_group[1])
-        model_inputs = {key: corrupted[key] for key in ("input_ids", "attention_mask", "labels", "label_weights")
-                        if corrupted[key] is not None}
-        if "position_ids" in inputs:
-            model_inputs["position_ids"] = inputs["position_ids"]
-        if getattr(self.accelerator.unwrap_model(self.model).config, "attention_mode", None) == "block":
-            model_inputs["clean_input_ids"] = inputs["input_ids"]  # two-stream block-diffusion training
-        real = inputs["attention_mask"].sum()
+        config = self.accelerator.unwrap_model(self.model).config
+        model_inputs, corrupted = corrupted_model_inputs(self.objective, inputs, device, t_group,
+                                                         getattr(config, "attention_mode", None))
+        attention_mask, prompt_mask = inputs["attention_mask"].to(device), inputs["prompt_mask"].to(device)
         model_inputs[_CORRUPTED] = {
             "items": torch.as_tensor(self.objective.loss_items(corrupted), dtype=torch.float32, device=device),
-            "real": real, "masked": corrupted["masked"].sum(),
-            "supervised": (inputs["attention_mask"].bool() & ~inputs["prompt_mask"]).sum(),
+            "real": attention_mask.sum(), "masked": corrupted["masked"].sum(),
+            "supervised": (attention_mask.bool() & ~prompt_mask).sum(),
         }
         return model_inputs
 

@@ -63,6 +63,26 @@ def antithetic_group(objective, accelerator, keys: list, device) -> tuple | None
     return keys, keys.numel()
 
 
+def corrupted_model_inputs(objective, batch: dict, device, t_group: tuple | None, attention_mode) -> tuple[dict, dict]:
+    """A clean micro-batch (input_ids, sample_index; attention_mask, prompt_mask, position_ids if present) ->
+    (the model's keyword arguments, `objective.corrupt`'s output). t_group: (sorted keys of the step's global
+    batch, its size) for antithetic t (`antithetic_group`)."""
+    def take(key):
+        return None if batch.get(key) is None else batch[key].to(device)
+
+    input_ids, sample_index = take("input_ids"), take("sample_index")
+    t_slot = None if t_group is None else torch.searchsorted(t_group[0], sample_index)
+    corrupted = objective.corrupt(input_ids, sample_index, take("attention_mask"), take("prompt_mask"), t_slot,
+                                  None if t_group is None else t_group[1])
+    model_inputs = {k: corrupted[k] for k in ("input_ids", "labels", "label_weights", "attention_mask")
+                    if corrupted[k] is not None}
+    if batch.get("position_ids") is not None:
+        model_inputs["position_ids"] = take("position_ids")
+    if attention_mode == "block" and objective.mode == "diffusion":
+        model_inputs["clean_input_ids"] = input_ids  # two-stream block-diffusion training
+    return model_inputs, corrupted
+
+
 def rescale_router_loss(trainer, loss, router_loss, loss_scale):
     """MoE router losses are means over one micro-batch's tokens, not sums over the global normaliser: take
     them out of the rank scaling and average them over the accumulated micro-batches."""
@@ -120,23 +140,11 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
 
     # -- batches ------------------------------------------------------------------------------------
     def _corrupt(self, batch: dict, device, t_group: tuple | None = None) -> dict:
-        """Clean batch -> the model's inputs (+ statistics under _STATS). t_group: (sorted keys of the
-        step's global batch, its size) for antithetic t (`_antithetic_group`)."""
-        input_ids = batch["input_ids"].to(device)  # (B, L)
-        attention_mask, prompt_mask = batch.get("attention_mask"), batch.get("prompt_mask")
-        attention_mask = None if attention_mask is None else attention_mask.to(device)
-        sample_index = batch["sample_index"].to(device)
-        t_slot = None if t_group is None else torch.searchsorted(t_group[0], sample_index)
-        inputs = self.objective.corrupt(input_ids, sample_index, attention_mask,
-                                        None if prompt_mask is None else prompt_mask.to(device),
-                                        t_slot, None if t_group is None else t_group[1])
-        model_inputs = {k: inputs[k] for k in ("input_ids", "labels", "label_weights", "attention_mask")
-                        if inputs[k] is not None}
-        if "position_ids" in batch:
-            model_inputs["position_ids"] = batch["position_ids"].to(device)
+        """Clean batch -> the model's inputs (+ statistics under _STATS). t_group: see `antithetic_group`."""
         config = self.accelerator.unwrap_model(self.model).config
-        if getattr(config, "attention_mode", None) == "block" and self.objective.mode == "diffusion":
-            model_inputs["clean_input_ids"] = input_ids  # two-stream block-diffusion training
+        model_inputs, inputs = corrupted_model_inputs(self.objective, batch, device, t_group,
+                                                      getattr(config, "attention_mode", None))
+        input_ids = batch["input_ids"]  # (B, L)
         real = input_ids.numel() if inputs["attention_mask"] is None else inputs["attention_mask"].sum()
         masked_rows = None if self.objective.mode == "ar" else inputs["masked"].sum(1)  # (B,)
         items = self.objective.loss_items(inputs)

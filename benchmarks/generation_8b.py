@@ -66,7 +66,7 @@ def timed(model, input_ids, options, first, last, mask_id):
 
     options = dict(options)
     capture = options.pop("_capture", True)
-    from hf_dlm.modeling.generation_dlm import DiffusionSampler
+    from hf_dlm.generation.sampler import DiffusionSampler
 
     DiffusionSampler.capture_steps = capture
     try:

@@ -121,7 +121,7 @@ class Graph:
 
 
 def step_inputs(model, batch: int, prompt: int, gen: int, block: int, device: str):
-    from hf_dlm.modeling.generation_compile import static_forward
+    from hf_dlm.generation.compiled_step import static_forward
 
     vocab = model.config.vocab_size
     total = prompt + gen
@@ -141,7 +141,7 @@ def step_inputs(model, batch: int, prompt: int, gen: int, block: int, device: st
 
 def sampling_fn(canvas, logits_holder, prompt: int, block: int, mask_id: int):
     """The eager sampler's per-step arithmetic (greedy, low_confidence, budget 1 per row)."""
-    from hf_dlm.modeling.generation_sampling import confidence_scores, filter_logits, select_commits
+    from hf_dlm.generation.sampling import confidence_scores, filter_logits, select_commits
 
     mask_index = torch.tensor([mask_id], device=canvas.device)
     budget = torch.ones(canvas.shape[0], dtype=torch.long, device=canvas.device)
@@ -167,7 +167,7 @@ def main():
     p.add_argument("--budget-seconds", type=float, default=420.0)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    from hf_dlm.modeling.generation_compile import static_forward
+    from hf_dlm.generation.compiled_step import static_forward
 
     device = "cpu" if a.tiny else "cuda"
     t_start = time.perf_counter()

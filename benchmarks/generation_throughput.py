@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from hf_dlm.modeling import DLMConfig, DLMForDiffusionLM
 from hf_dlm.data.corpus import split_documents, stdlib_documents, train_bpe_tokenizer
-from hf_dlm.training.objective import MaskedDiffusionObjective
+from hf_dlm.diffusion.objective import MaskedDiffusionObjective
 from hf_dlm.training.quickstart import pack_windows
 
 WORDS = ("file list value name string object type data class function module number error line path key time "

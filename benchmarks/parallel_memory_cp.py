@@ -27,7 +27,7 @@ import torch
 from hf_dlm import DLMConfig, DLMForDiffusionLM
 from hf_dlm.parallel.parallelize import parallelize_dlm
 from hf_dlm.parallel.planner import Layout, ModelShape, plan_layout
-from hf_dlm.training.objective import MaskedDiffusionObjective
+from hf_dlm.diffusion.objective import MaskedDiffusionObjective
 
 GIB = 1024**3
 SHAPE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,

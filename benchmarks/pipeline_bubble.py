@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hf_dlm import DLMConfig, DLMForDiffusionLM  # noqa: E402
 from hf_dlm.parallel.pipeline import (DLMPipeline, DLMPipelineStageModule, PipelinePlan,  # noqa: E402
                                       pipeline_schedule_terms, split_layers)
-from hf_dlm.training.objective import MaskedDiffusionObjective  # noqa: E402
+from hf_dlm.diffusion.objective import MaskedDiffusionObjective  # noqa: E402
 
 
 def rank_actions(schedule: str, p: int, m: int, rank: int) -> list[tuple[str, int]]:

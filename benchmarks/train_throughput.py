@@ -242,7 +242,7 @@ def register_repeat_kv_attention():
 def run_one(a) -> dict:
     import torch
 
-    from hf_dlm.training.objective import MaskedDiffusionObjective
+    from hf_dlm.diffusion.objective import MaskedDiffusionObjective
     from hf_dlm.parallel.parallelize import parallelize_dlm
 
     device = "cpu" if a.tiny else "cuda"

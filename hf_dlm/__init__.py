@@ -23,12 +23,13 @@ _register_auto_classes()
 
 # public name -> module that defines it (imported on first access)
 _LAZY = {
-    # modeling
-    "DLMGenerationConfig": ".modeling.generation_config",
-    "DLMGenerateOutput": ".modeling.generation_dlm",
+    # generation
+    "DLMGenerationConfig": ".generation.configuration",
+    "DLMGenerateOutput": ".generation.sampler",
+    # diffusion math
+    "MaskedDiffusionObjective": ".diffusion.objective",
+    "elbo_nll": ".diffusion.elbo",
     # training
-    "MaskedDiffusionObjective": ".training.objective",
-    "elbo_nll": ".training.elbo",
     "DLMTrainer": ".training.trainer",
     "DLMTrainingArguments": ".training.training_args",
     "run_pretraining": ".training.runner",

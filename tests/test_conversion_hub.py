@@ -14,8 +14,8 @@ from transformers import AutoModelForMaskedLM
 
 from hf_dlm import DLMForDiffusionLM
 from hf_dlm.cli import main as cli_main
-from hf_dlm.conversion.hub import prepare_hub_folder, push_to_hub
-from hf_dlm.conversion.remote_code import AUTO_MAP, generate_remote_code
+from hf_dlm.hub.publish import prepare_hub_folder, push_to_hub
+from hf_dlm.hub.remote_code import AUTO_MAP, generate_remote_code
 from .conftest import tiny_model
 
 # Run in a fresh interpreter where `import hf_dlm` raises, so only the repository's own files can serve.
@@ -54,12 +54,12 @@ def test_generated_code_is_flat_and_comes_from_the_source():
                 assert not (node.module or "").startswith("hf_dlm"), (name, ast.unparse(node))
     modeling = files["modeling_dlm.py"]
     # every module the model imports is pasted in, read from hf-dlm's files at export time
-    for module in ("masks.py", "loss.py", "generation_dlm.py", "modeling_dlm.py"):
-        assert f"# ---- from hf_dlm/modeling/{module} ----" in modeling
+    for module in ("modeling/masks.py", "modeling/loss.py", "generation/sampler.py", "modeling/modeling_dlm.py"):
+        assert f"# ---- from hf_dlm/{module} ----" in modeling
     import hf_dlm.modeling.masks as masks
 
     assert __import__("inspect").getsource(masks.make_mask_mod) in modeling
-    assert "save_with_remote_code" not in modeling and "conversion" not in modeling  # hf-dlm-only hooks stay out
+    assert "save_with_remote_code" not in modeling and "hub.publish" not in modeling  # hf-dlm-only hooks stay out
 
 
 def test_saved_model_loads_without_hf_dlm(tmp_path):
@@ -151,7 +151,7 @@ def test_prepare_folder_and_push_with_mocked_hub(tmp_path, monkeypatch):
 def test_failed_export_keeps_the_checkpoint_and_warns(tmp_path, monkeypatch):
     import pytest
 
-    import hf_dlm.conversion.remote_code as remote_code
+    import hf_dlm.hub.remote_code as remote_code
 
     def broken():
         raise ImportError("a bundled module needs liger_kernel")

@@ -194,7 +194,7 @@ def test_sft_prompt_mask_and_both_padding_policies(chat_tokenizer):
     assert (excl["input_ids"][used:] == tok.pad_token_id).all()
     assert excl["attention_mask"].tolist() == [1] * used + [0] * (48 - used)
     # the objective never noises prompt tokens, and trains on EOS padding only under the "eos" policy
-    from hf_dlm.training.objective import MaskedDiffusionObjective
+    from hf_dlm.diffusion.objective import MaskedDiffusionObjective
 
     objective = MaskedDiffusionObjective(mask_token_id=tok.mask_token_id)
     for sample, padding_supervised in ((eos, True), (excl, False)):
@@ -213,7 +213,7 @@ def test_sft_prompt_mask_and_both_padding_policies(chat_tokenizer):
 
 
 def test_packed_batches_drive_the_model_and_documents_stay_apart(tmp_path):
-    from hf_dlm.training.objective import MaskedDiffusionObjective
+    from hf_dlm.diffusion.objective import MaskedDiffusionObjective
     from tests.conftest import MASK_ID, tiny_model
 
     rng = np.random.default_rng(1)

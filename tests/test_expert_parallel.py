@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_dlm.parallel.parallelize import parallelize_dlm
-from hf_dlm.training.objective import MaskedDiffusionObjective
+from hf_dlm.diffusion.objective import MaskedDiffusionObjective
 from tests.conftest import MASK_ID, VOCAB, tiny_model
 
 BATCH, LENGTH, STEPS, WORLD = 4, 12, 2, 2

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from hf_dlm.modeling.generation_dlm import DLMGenerationMixin
-from hf_dlm.modeling.generation_sampling import finished_rows, num_transfer_tokens, select_commits
+from hf_dlm.generation.sampler import DLMGenerationMixin
+from hf_dlm.generation.sampling import finished_rows, num_transfer_tokens, select_commits
 
 MASK, EOS, VOCAB = 15, 14, 16
 
@@ -177,7 +177,7 @@ def test_streamer_receives_the_prompt_then_the_committed_prefix():
 
 
 def test_sampling_helpers_filter_draw_in_float64_and_score():
-    from hf_dlm.modeling.generation_sampling import add_gumbel_noise, confidence_scores, filter_logits
+    from hf_dlm.generation.sampling import add_gumbel_noise, confidence_scores, filter_logits
 
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]]).log_softmax(-1)  # p = 0.644, 0.237, 0.087, 0.032
     assert torch.isinf(filter_logits(logits, 2, None)[0, 0, 2:]).all()

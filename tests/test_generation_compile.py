@@ -4,8 +4,8 @@ exactly the eager sampler's tokens, traced by Dynamo ('eager' backend: fast) and
 import pytest
 import torch
 
-from hf_dlm.modeling import generation_compile
-from hf_dlm.modeling.generation_config import DLMGenerationConfig
+from hf_dlm.generation import compiled_step as generation_compile
+from hf_dlm.generation.configuration import DLMGenerationConfig
 
 from .conftest import tiny_model
 from .test_generation_models import left_padded

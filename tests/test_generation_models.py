@@ -115,7 +115,7 @@ def test_other_remasking_strategies_complete_the_canvas_row_independently(remask
 def test_generation_config_round_trips_and_rejects_bad_fields(tmp_path):
     from transformers import GenerationConfig
 
-    from hf_dlm.modeling.generation_config import DLMGenerationConfig
+    from hf_dlm.generation.configuration import DLMGenerationConfig
 
     config = DLMGenerationConfig(max_new_tokens=32, block_length=8, threshold=0.9, cache="dual", temperature=0.0)
     config.save_pretrained(tmp_path)
@@ -131,7 +131,7 @@ def test_generation_config_round_trips_and_rejects_bad_fields(tmp_path):
 def test_a_cached_window_on_an_unchanged_canvas_reproduces_the_full_forward(query):
     """The approximate caches differ from the uncached sampler only through stale keys: with nothing
     changed since the cache was filled, a window's logits equal the full forward's (padding included)."""
-    from hf_dlm.modeling.generation_cache import DLMKVCache
+    from hf_dlm.generation.cache import DLMKVCache
 
     model = model_for("bidirectional")
     _, input_ids, attention_mask = left_padded([5, 9, 3])
@@ -154,7 +154,7 @@ def test_static_window_steps_equal_the_kv_cache_forward(monkeypatch, cache, padd
     """Approximate caches with every row in the forward run their window steps through `static_forward`
     (what CUDA replays as a graph); the tokens equal the per-layer `DLMKVCache` forward's, and the window
     path really ran."""
-    from hf_dlm.modeling.generation_dlm import DiffusionSampler
+    from hf_dlm.generation.sampler import DiffusionSampler
 
     model = model_for("bidirectional", alignment)
     with torch.no_grad():  # sharpen the head: threshold decoding commits several tokens at some steps

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_dlm import DLMForDiffusionLM, DLMGenerationConfig
-from hf_dlm.modeling.generation_sampling import add_gumbel_noise
+from hf_dlm.generation.sampling import add_gumbel_noise
 
 from .conftest import MASK_ID, VOCAB, tiny_model
 from .test_generation import EOS, ScriptedModel, peaked

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from hf_dlm.training.logp_estimators import (CoupledEstimator, MonteCarloELBOEstimator, OneStepEstimator,
+from hf_dlm.diffusion.logp_estimators import (CoupledEstimator, MonteCarloELBOEstimator, OneStepEstimator,
                                              build_estimator, row_keys)
-from hf_dlm.training.noise import hashed_uniform
+from hf_dlm.diffusion.noise import hashed_uniform
 from tests.conftest import MASK_ID, VOCAB, tiny_model
 from tests.toy_tasks import one_thread  # noqa: F401
 

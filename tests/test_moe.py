@@ -138,7 +138,7 @@ def _import_generated_code(folder):
     import importlib
     import sys
 
-    from hf_dlm.conversion.remote_code import generate_remote_code
+    from hf_dlm.hub.remote_code import generate_remote_code
 
     package = folder / "generated_dlm"
     package.mkdir()

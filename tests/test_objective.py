@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from hf_dlm import MaskedDiffusionObjective
-from hf_dlm.training.elbo import elbo_nll
-from hf_dlm.training.objective import NORMALIZATIONS
-from hf_dlm.training.noise import hashed_uniform
+from hf_dlm.diffusion.elbo import elbo_nll
+from hf_dlm.diffusion.objective import NORMALIZATIONS
+from hf_dlm.diffusion.noise import hashed_uniform
 
 from .conftest import MASK_ID, VOCAB, tiny_model
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_dlm import MaskedDiffusionObjective
-from hf_dlm.training.noise import hashed_uniform
+from hf_dlm.diffusion.noise import hashed_uniform
 
 from .conftest import MASK_ID, VOCAB, tiny_model
 
@@ -218,7 +218,7 @@ def test_ar_mode_averages_next_token_ce_over_real_tokens():
 
 
 def test_every_preset_names_its_source():
-    from hf_dlm.training import objective as module
+    from hf_dlm.diffusion import objective as module
 
     source = open(module.__file__).read()
     for name, words in (("llada", "LLaDA"), ("mdlm", "kuleshov-group/mdlm"), ("megadlms", "MegaDLMs"), ("ar", "AR")):

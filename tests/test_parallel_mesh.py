@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from hf_dlm.parallel.mesh import ParallelDims
 from hf_dlm.parallel.parallelize import parallelize_dlm, parallelize_from_dims
-from hf_dlm.training.objective import MaskedDiffusionObjective
+from hf_dlm.diffusion.objective import MaskedDiffusionObjective
 from tests.conftest import MASK_ID, VOCAB, tiny_model
 from tests.distributed_utils import finish, spawn_workers
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_dlm.training.objective import MaskedDiffusionObjective
+from hf_dlm.diffusion.objective import MaskedDiffusionObjective
 from hf_dlm.parallel.parallelize import parallelize_dlm
 from tests.conftest import MASK_ID, VOCAB, tiny_model
 from tests.distributed_utils import finish, spawn_workers

@@ -50,7 +50,7 @@ def test_every_public_name_resolves_lazily_and_is_listed():
 
 def test_first_access_imports_only_its_module():
     loaded = _modules_after("from hf_dlm import elbo_nll")
-    assert "hf_dlm.training.elbo" in loaded and "hf_dlm.training.trainer" not in loaded
+    assert "hf_dlm.diffusion.elbo" in loaded and "hf_dlm.training.trainer" not in loaded
 
 
 @pytest.mark.parametrize("command", ["quickstart", "preprocess", "train", "sft", "grpo", "generate", "convert", "verify",

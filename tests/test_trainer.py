@@ -109,7 +109,7 @@ def test_logs_throughput_mfu_masked_fraction_and_ce_by_t(tmp_path):
 
 
 def test_evaluate_reports_the_elbo_bound(tmp_path):
-    from hf_dlm.training.elbo import elbo_nll
+    from hf_dlm.diffusion.elbo import elbo_nll
 
     trainer = make_trainer(tmp_path, per_device_eval_batch_size=4, eval_mc_num=2)
     eval_set = random_dataset(8, seed=1)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_dlm.training.noise import hashed_uniform
+from hf_dlm.diffusion.noise import hashed_uniform
 from hf_dlm.training.trainer import _STATS
 from tests.conftest import VOCAB
 from tests.trainer_utils import SEQ_LEN, StopAfter, flat_params, make_trainer

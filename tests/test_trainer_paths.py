@@ -8,7 +8,7 @@ import torch
 
 from hf_dlm import MaskedDiffusionObjective
 from hf_dlm.data.memory_dataset import TokenWindowDataset, pack_documents
-from hf_dlm.training.elbo import elbo_nll
+from hf_dlm.diffusion.elbo import elbo_nll
 from hf_dlm.training.trainer import DLMTrainer
 from tests.conftest import MASK_ID, VOCAB, tiny_model
 from tests.test_pretrain_data import tokenizer_dir  # noqa: F401  (fixture)

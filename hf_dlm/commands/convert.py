@@ -48,7 +48,7 @@ def run(args) -> int:
     destination = convert_checkpoint(family, args.source, args.destination, options, to=args.to, overwrite=args.overwrite)
     print(f"converted {family} checkpoint {args.source} -> {args.to} checkpoint {destination}")
     if args.push_to_hub:
-        from ..conversion.hub import upload_folder
+        from ..hub.publish import upload_folder
 
         try:
             upload_folder(destination, args.push_to_hub, private=args.private or None,

@@ -18,8 +18,8 @@ SAMPLING_OPTIONS = {
 
 
 def add_arguments(parser):
-    from ..modeling.generation_compile import COMPILE_CHOICES
-    from ..modeling.generation_config import CACHE_MODES, DLM_GENERATION_FIELDS, REMASKING
+    from ..generation.compiled_step import COMPILE_CHOICES
+    from ..generation.configuration import CACHE_MODES, DLM_GENERATION_FIELDS, REMASKING
 
     parser.add_argument("--model", required=True, help="checkpoint folder or Hub id (model and tokenizer)")
     parser.add_argument("--prompt", required=True, help="the prompt text")
@@ -49,7 +49,7 @@ def run(args) -> int:
     import torch
     from transformers import AutoModelForMaskedLM, AutoTokenizer, TextStreamer
 
-    from ..modeling.generation_config import DLM_GENERATION_FIELDS
+    from ..generation.configuration import DLM_GENERATION_FIELDS
 
     from ..utils.paths import check_model_location
 

@@ -1,4 +1,4 @@
-"""Checkpoint conversion (AR / LLaDA / Dream / Megatron <-> hf-dlm), asserted verification and Hub export.
+"""Checkpoint conversion (AR / LLaDA / Dream / Megatron <-> hf-dlm) and asserted verification.
 
 `import hf_dlm` does not import this package; its modules load on first use (PEP 562 `__getattr__`).
 """
@@ -9,9 +9,6 @@ _EXPORTS = {
     "ConversionOptions": "convert", "convert_checkpoint": "convert", "load_as_dlm": "convert",
     "verify_checkpoints": "verify", "compare_logits": "verify",
     "save_megatron_checkpoint": "megatron", "load_megatron_checkpoint": "megatron",
-    "push_to_hub": "hub", "prepare_hub_folder": "hub", "upload_folder": "hub",
-    "generate_remote_code": "remote_code", "write_remote_code": "remote_code",
-    "build_model_card": "model_card",
 }
 
 

@@ -241,7 +241,7 @@ def convert_checkpoint(
     `destination`, as an hf-dlm folder (`to="dlm"`), a Megatron checkpoint (`to="megatron"`) or, for an MoE
     model, a Qwen3-MoE folder (`to="qwen3_moe"`). A family that contradicts the checkpoint's config.json is
     an error."""
-    from .model_card import write_info, write_model_card
+    from ..hub.model_card import write_info, write_model_card
 
     if to not in TARGETS:  # before minutes of loading
         raise ValueError(f"unknown target {to!r}; choose from {TARGETS}")

@@ -24,7 +24,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from ..serving.engine import ContinuousBatchingEngine, GenerationRequest, decode_answer
-from ..training.elbo import elbo_nll
+from ..diffusion.elbo import elbo_nll
 
 
 def _to_bool(value) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import GenerationConfig
 
-from .generation_compile import COMPILE_CHOICES
+from .compiled_step import COMPILE_CHOICES
 
 REMASKING = ("low_confidence", "random", "margin", "entropy")
 CACHE_MODES = ("none", "prefix", "dual")

@@ -41,10 +41,10 @@ import torch
 from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
-from .generation_cache import DLMKVCache
-from .generation_compile import MAX_COMPILED_GRAPHS, StepGraphs, compiled_forward, resolve_compile, static_forward
-from .generation_config import DLM_GENERATION_FIELDS, EXTRA_GENERATE_KWARGS, DLMGenerationConfig
-from .generation_sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
+from .cache import DLMKVCache
+from .compiled_step import MAX_COMPILED_GRAPHS, StepGraphs, compiled_forward, resolve_compile, static_forward
+from .configuration import DLM_GENERATION_FIELDS, EXTRA_GENERATE_KWARGS, DLMGenerationConfig
+from .sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
                                   num_transfer_tokens, select_commits)
 
 
@@ -107,7 +107,7 @@ class DLMGenerationMixin:
         unknown = sorted(set(kwargs) - _known_generate_kwargs() - set(base.to_dict() if base is not None else ()))
         if unknown:
             raise ValueError(f"generate: unknown keyword argument(s) {unknown}; see DLMGenerationConfig "
-                             "(hf_dlm/modeling/generation_config.py) for the supported options")
+                             "(hf_dlm/generation/configuration.py) for the supported options")
         for name in EXTRA_GENERATE_KWARGS:
             kwargs.pop(name, None)
         config = DLMGenerationConfig.from_any(base, **kwargs)

@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 from transformers.utils import ModelOutput
 
 from .configuration_dlm import DLMConfig
-from .generation_dlm import DLMGenerationMixin
+from ..generation.sampler import DLMGenerationMixin
 from .loss import masked_lm_loss
 from .masks import build_attention_mask
 from .moe import DLMExperts, DLMSparseMoeBlock
@@ -237,15 +237,15 @@ class DLMPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save, plus self-contained remote code, `auto_map` and a model card
-        (`hf_dlm.conversion.hub`), so the folder loads with `trust_remote_code=True` without hf-dlm."""
-        from ..conversion.hub import save_with_remote_code
+        (`hf_dlm.hub.publish`), so the folder loads with `trust_remote_code=True` without hf-dlm."""
+        from ..hub.publish import save_with_remote_code
 
         return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """transformers' arguments plus `tokenizer`, `base_model`, `training_details`: one commit holding the
-        weights, the generated remote code and a full model card (`hf_dlm.conversion.hub.push_to_hub`)."""
-        from ..conversion.hub import push_to_hub
+        weights, the generated remote code and a full model card (`hf_dlm.hub.publish.push_to_hub`)."""
+        from ..hub.publish import push_to_hub
 
         return push_to_hub(self, repo_id, **kwargs)
 

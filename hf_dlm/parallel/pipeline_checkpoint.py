@@ -64,8 +64,8 @@ def _write_hub_extras(save_directory: str, config) -> None:
     """What `DLMPreTrainedModel.save_pretrained` adds: the remote code and a model card."""
     import warnings
 
-    from ..conversion.model_card import write_model_card
-    from ..conversion.remote_code import remove_remote_code, write_remote_code
+    from ..hub.model_card import write_model_card
+    from ..hub.remote_code import remove_remote_code, write_remote_code
 
     try:
         write_remote_code(save_directory)

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..modeling.generation_config import DLMGenerationConfig
-from ..modeling.generation_sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
+from ..generation.configuration import DLMGenerationConfig
+from ..generation.sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
                                             num_transfer_tokens, select_commits)
 from .row_cache import cached_hidden_states
 

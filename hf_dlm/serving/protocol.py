@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..modeling.generation_config import CACHE_MODES, DLM_GENERATION_FIELDS, REMASKING
+from ..generation.configuration import CACHE_MODES, DLM_GENERATION_FIELDS, REMASKING
 
 
 class SamplingFields(BaseModel):

@@ -1,18 +1,17 @@
-"""Training: the masked-diffusion objective and its noise, the ELBO, `DLMTrainingArguments`,
+"""Training: `DLMTrainingArguments`,
 `DLMTrainer`, the YAML runner, the quickstart, and post-training on trl / peft (`DLMSFTTrainer`,
-`DiffuGRPOTrainer`, log-probability estimators, LoRA). Names load on first access."""
+`DiffuGRPOTrainer`, LoRA). Names load on first access."""
 
 from ..utils.lazy import lazy_exports
 
 _LAZY = {
-    "MaskedDiffusionObjective": ".objective", "elbo_nll": ".elbo", "hashed_uniform": ".noise",
     "DLMTrainingArguments": ".training_args", "DLMTrainer": ".trainer",
     "run_pretraining": ".runner", "register_data_builder": ".runner", "load_config": ".runner",
     "ConfigError": ".runner",
     "QuickstartConfig": ".quickstart", "run_quickstart": ".quickstart",
     # post-training on trl / peft (import trl or peft only when used)
     "DLMSFTConfig": ".sft_config", "DLMSFTTrainer": ".sft_trainer", "DiffuGRPOConfig": ".grpo_config",
-    "DiffuGRPOTrainer": ".grpo_trainer", "build_estimator": ".logp_estimators", "dlm_lora_config": ".lora",
+    "DiffuGRPOTrainer": ".grpo_trainer", "dlm_lora_config": ".lora",
     "get_dlm_peft_model": ".lora",
 }
 

@@ -15,8 +15,8 @@ require("trl", "DiffuGRPOConfig")
 
 from trl import GRPOConfig  # noqa: E402
 
-from ..modeling.generation_config import CACHE_MODES, REMASKING  # noqa: E402
-from .logp_estimators import ESTIMATORS  # noqa: E402
+from ..generation.configuration import CACHE_MODES, REMASKING  # noqa: E402
+from ..diffusion.logp_estimators import ESTIMATORS  # noqa: E402
 
 
 @dataclass

@@ -31,9 +31,9 @@ from trl.models import unwrap_model_for_generation  # noqa: E402
 from trl.trainer.utils import disable_dropout_in_model, pad  # noqa: E402
 
 from .grpo_config import DiffuGRPOConfig  # noqa: E402
-from .logp_estimators import build_estimator  # noqa: E402
+from ..diffusion.logp_estimators import build_estimator  # noqa: E402
 from .lora import merged_lora_weights  # noqa: E402
-from .noise import mix32  # noqa: E402
+from ..diffusion.noise import mix32  # noqa: E402
 from .trl_compat import load_dlm, without_causal_lm_head  # noqa: E402
 
 _STACKED = ("old_per_token_logps", "ref_per_token_logps")  # (B, num_iterations, K) from rollout time

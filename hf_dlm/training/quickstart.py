@@ -16,9 +16,9 @@ from tqdm.auto import tqdm
 
 from ..modeling import DLMConfig, DLMForDiffusionLM
 from ..data.corpus import split_documents, stdlib_documents, train_bpe_tokenizer
-from .elbo import elbo_nll
+from ..diffusion.elbo import elbo_nll
 from ..data.memory_dataset import pack_documents
-from .objective import MaskedDiffusionObjective
+from ..diffusion.objective import MaskedDiffusionObjective
 
 
 @dataclass

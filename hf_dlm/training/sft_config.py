@@ -19,7 +19,7 @@ require("trl", "DLMSFTConfig")
 from trl import SFTConfig  # noqa: E402
 
 from ..data.sft_data import PADDING_POLICIES  # noqa: E402
-from .objective import PRESETS, MaskedDiffusionObjective  # noqa: E402
+from ..diffusion.objective import PRESETS, MaskedDiffusionObjective  # noqa: E402
 
 # LLaDA's SFT recipe on top of the preset: each row's loss divided by its response length, no random cuts
 SFT_OBJECTIVE_DEFAULTS = {"normalization": "sequence", "random_length_prob": 0.0}
@@ -29,7 +29,7 @@ SFT_OBJECTIVE_DEFAULTS = {"normalization": "sequence", "random_length_prob": 0.0
 class DLMSFTConfig(SFTConfig):
     objective_preset: str | None = field(
         default="llada",
-        metadata={"help": f"Objective preset, one of {sorted(PRESETS)} (hf_dlm.training.objective.PRESETS), with "
+        metadata={"help": f"Objective preset, one of {sorted(PRESETS)} (hf_dlm.diffusion.objective.PRESETS), with "
                           f"the SFT defaults {SFT_OBJECTIVE_DEFAULTS} on top (LLaDA SFT: loss per response token "
                           "of each row, no random-length cuts); objective_overrides overrides both."},
     )

@@ -28,12 +28,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from transformers.utils import logging
 
 from ..data.collator import DATA_STATE_KEY, DLMDataCollator
-from .elbo import elbo_nll
+from ..diffusion.elbo import elbo_nll
 from ..parallel.float8_delayed import float8_state_dict, load_float8_state_dict
 from ..parallel.trainer_parallel import (has_sharded_checkpoint, install_accelerator_hooks, load_scheduler_state,
                                          load_sharded_checkpoint, save_full_model, save_sharded_checkpoint,
                                          setup_parallel_training)
-from .objective import MaskedDiffusionObjective
+from ..diffusion.objective import MaskedDiffusionObjective
 from .pipeline_training import PipelineTrainingMixin
 from .training_args import DLMTrainingArguments
 
@@ -420,7 +420,7 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
         super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save and self._staging_root is None:  # final models, not every checkpoint
-            from ..conversion.model_card import write_info, write_model_card
+            from ..hub.model_card import write_info, write_model_card
 
             write_info(output_dir, training=self.training_details())
             write_model_card(output_dir, self.accelerator.unwrap_model(self.model).config)

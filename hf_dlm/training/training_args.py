@@ -16,7 +16,7 @@ from transformers import TrainingArguments
 
 from ..parallel.float8 import FLOAT8_RECIPES as FP8_RECIPES
 from ..parallel.trainer_parallel import ParallelArguments
-from .objective import NORMALIZATIONS, PRESETS, SCHEDULES, T_SAMPLINGS, WEIGHTINGS, MaskedDiffusionObjective
+from ..diffusion.objective import NORMALIZATIONS, PRESETS, SCHEDULES, T_SAMPLINGS, WEIGHTINGS, MaskedDiffusionObjective
 
 
 @dataclass
@@ -24,7 +24,7 @@ class DLMTrainingArguments(ParallelArguments, TrainingArguments):  # device-mesh
     # -- objective -------------------------------------------------------------------------------
     objective_preset: str | None = field(
         default="mdlm",
-        metadata={"help": f"Objective preset, one of {sorted(PRESETS)} (see hf_dlm.training.objective.PRESETS); "
+        metadata={"help": f"Objective preset, one of {sorted(PRESETS)} (see hf_dlm.diffusion.objective.PRESETS); "
                           "the fields below override it. None: the objective's own defaults (causal models: 'ar')."},
     )
     schedule: str | None = field(

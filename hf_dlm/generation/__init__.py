@@ -1,0 +1,12 @@
+"""The decoding core: settings (`DLMGenerationConfig`), commit arithmetic, KV caches, the compiled step and
+the sampler loop behind `model.generate`. It sits below `modeling/` and calls a model only through its
+forward, as `transformers.generation` sits below `modeling_utils`. Names load on first access."""
+
+from ..utils.lazy import lazy_exports
+
+_LAZY = {
+    "DLMGenerationConfig": ".configuration", "DLMGenerationMixin": ".sampler", "DLMGenerateOutput": ".sampler",
+    "DLMKVCache": ".cache", "StepGraphs": ".compiled_step",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _LAZY)

@@ -1,0 +1,22 @@
+"""Errors that carry what they are about, so the CLI, the config loader and the server can name the field
+without parsing the message text."""
+
+from __future__ import annotations
+
+_UNSET = object()
+
+
+class FieldError(ValueError):
+    """A value the library cannot take. `field` is the setting's name as the user spelled it
+    (`"block_length"`, `"training.max_steps"`), `value` the offending value when there is one.
+
+    A `ValueError`, so existing `except ValueError` handlers keep working."""
+
+    def __init__(self, field: str, message: str, value=_UNSET):
+        super().__init__(message)
+        self.field = field
+        self.value = None if value is _UNSET else value
+        self.has_value = value is not _UNSET
+
+
+__all__ = ["FieldError"]

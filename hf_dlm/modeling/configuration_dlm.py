@@ -6,7 +6,11 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+from ..utils.errors import FieldError
+
 MOE_IMPLEMENTATIONS = ("auto", "grouped_mm", "loop")
+MOE_ROUTERS = ("softmax", "sigmoid", "expert_choice")
+EXPERT_CHOICE_LEVELS = ("batch", "sequence")
 ATTENTION_MODES = ("bidirectional", "causal", "block")
 LABEL_ALIGNMENTS = ("same", "shift")
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
@@ -46,6 +50,21 @@ class DLMConfig(PreTrainedConfig):
       eq. 4, transformers' `load_balancing_loss_func`: f_e = top-k assignments to e / tokens, P_e = mean
       router probability), averaged over MoE layers; `router_z_loss_coef`: weight of the router z-loss
       `mean_tokens(logsumexp(router_logits)^2)` (ST-MoE eq. 5).
+    - `moe_router`: `"softmax"` (token choice: each token takes its top-k experts by softmax probability,
+      Qwen3-MoE) or `"expert_choice"` (MegaDLMs' `ExpertChoiceRouter`, used for OpenMoE 2: each expert
+      takes its top-capacity tokens). Expert choice:
+      - `expert_choice_level`: `"sequence"` (MegaDLMs' default: each expert picks within each row, so rows
+        stay independent) or `"batch"` (each expert picks among all tokens of the micro-batch: a token's
+        output then depends on the other rows, and at inference on what is batched with it).
+      - `expert_capacity_factor`: capacity = `max(1, floor(factor * tokens * k / num_experts))` tokens per
+        expert (tokens: the row's length, or the micro-batch's tokens at batch level; at most all of
+        them); 1.0 is MegaDLMs' capacity (a token gets k experts on average; some get none).
+      - `expert_choice_pre_softmax`: False (MegaDLMs' default) ranks tokens by router logit and weights a
+        token's experts by the softmax over the logits of the experts that chose it; True ranks by the
+        softmax probability over experts and weights by that probability.
+      - load balancing (`router_aux_loss_coef`): MegaDLMs' expert-choice loss
+        `sum_t (sum_e softmax_tokens(logits)[t, e]) * n_t / (E * k)`, n_t the experts that chose token t
+        (1.0 for a uniform router). Padding is never chosen before real tokens and gets no output.
     - `moe_implementation`: `"grouped_mm"` (one `torch.nn.functional.grouped_mm` per projection), `"loop"`
       (one matmul per expert) or `"auto"` (grouped_mm on CUDA where PyTorch has it, else the loop).
 
@@ -115,6 +134,10 @@ class DLMConfig(PreTrainedConfig):
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
     moe_implementation: str = "auto"
+    moe_router: str = "softmax"
+    expert_choice_level: str = "sequence"
+    expert_capacity_factor: float = 1.0
+    expert_choice_pre_softmax: bool = False
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -170,6 +193,18 @@ class DLMConfig(PreTrainedConfig):
             raise ValueError(
                 f"DLMConfig.moe_implementation must be one of {MOE_IMPLEMENTATIONS}, got {self.moe_implementation!r}"
             )
+        self._validate_routing()
+
+    def _validate_routing(self):
+        def check(ok: bool, field: str, message: str):
+            if not ok:
+                raise FieldError(field, f"DLMConfig.{field} {message}", getattr(self, field))
+
+        check(self.moe_router in MOE_ROUTERS, "moe_router", f"must be one of {MOE_ROUTERS}, got {self.moe_router!r}")
+        check(self.expert_choice_level in EXPERT_CHOICE_LEVELS, "expert_choice_level",
+              f"must be one of {EXPERT_CHOICE_LEVELS}, got {self.expert_choice_level!r}")
+        check(self.expert_capacity_factor > 0, "expert_capacity_factor",
+              f"must be positive, got {self.expert_capacity_factor}")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer `layer_idx` holds a sparse MoE block (Qwen3-MoE's rule)."""

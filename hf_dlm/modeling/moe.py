@@ -1,14 +1,17 @@
-"""Mixture-of-experts feed-forward block: a top-k token-choice router, SwiGLU experts stored as grouped
-weights, dropless dispatch, and the router's auxiliary losses.
+"""Mixture-of-experts feed-forward block: routers (token choice, expert choice), SwiGLU experts stored as
+grouped weights, dropless dispatch, and the routers' auxiliary losses.
 
 Weights follow transformers 5's Qwen3-MoE modules (`mlp.gate.weight` (E, H), `mlp.experts.gate_up_proj`
 (E, 2I, H) with the gate half first, `mlp.experts.down_proj` (E, H, I)), so checkpoints map key by key.
-The block sorts the (token, expert) assignments by expert and hands the experts one contiguous run of
-rows per expert (`tokens`, `counts`): that is the input a grouped GEMM takes, and the seam where expert
-parallelism (`hf_dlm.parallel.expert_parallel`) inserts its all-to-all dispatch as module hooks.
+Every router ends in the same dispatch: the (token, expert, weight) assignments sorted by expert, handed
+to the experts as one contiguous run of rows per expert (`tokens`, `counts`): the input a grouped GEMM
+takes, and the seam where expert parallelism (`hf_dlm.parallel.expert_parallel`) inserts its all-to-all
+as module hooks. Shapes stay static (no host synchronisation), so a compiled block has no graph break.
 """
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -21,27 +24,94 @@ def _grouped_mm_function():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+def count_per_expert(experts: torch.Tensor, num_experts: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """(E,) number of entries of `experts` naming each expert (`weights` (same shape): their sum instead).
+    A scatter-add rather than `bincount`, whose output size depends on the data (a graph break)."""
+    experts = experts.reshape(-1)
+    values = torch.ones_like(experts) if weights is None else weights.reshape(-1)
+    return torch.zeros(num_experts, dtype=values.dtype, device=experts.device).scatter_add_(0, experts, values)
+
+
+def router_z_loss(router_logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """ST-MoE eq. 5: mean over tokens of logsumexp(logits)^2; weights (N,) 0 for padding."""
+    lse = torch.logsumexp(router_logits.float(), dim=-1)
+    return (lse.square() * weights).sum() / weights.sum().clamp(min=1)
+
+
 def router_aux_losses(router_logits: torch.Tensor, top_experts: torch.Tensor, num_experts: int,
                       token_mask: torch.Tensor | None = None):
-    """(load-balancing loss, z-loss) of one MoE layer. router_logits (N, E), top_experts (N, k), token_mask
-    (N,) with 0 for padding (left out of both losses, as transformers' `attention_mask` argument does).
+    """(load-balancing loss, z-loss) of one token-choice MoE layer. router_logits (N, E), top_experts (N, k),
+    token_mask (N,) with 0 for padding (left out of both losses, as transformers' `attention_mask` argument does).
 
     Load balancing (Switch Transformer eq. 4, in transformers' top-k form): `E * sum_e f_e * P_e`, f_e the
     number of top-k assignments to expert e over the number of tokens (sums to k), P_e the mean router
-    probability of e; it is k for a uniform router. z-loss (ST-MoE eq. 5): mean over tokens of
-    logsumexp(logits)^2.
+    probability of e; it is k for a uniform router.
     """
     logits = router_logits.float()
     weights = torch.ones_like(logits[:, 0]) if token_mask is None else token_mask.reshape(-1).to(logits.dtype)
     num_tokens = weights.sum().clamp(min=1)
     top_k = top_experts.shape[-1]
-    assigned = torch.bincount(top_experts.reshape(-1), weights=weights.repeat_interleave(top_k),
-                              minlength=num_experts)  # (E,)
-    fraction = assigned / num_tokens
+    fraction = count_per_expert(top_experts, num_experts, weights[:, None].expand(-1, top_k)) / num_tokens
     mean_probability = (logits.softmax(dim=-1) * weights[:, None]).sum(0) / num_tokens  # (E,)
-    balance = num_experts * (fraction * mean_probability).sum()
-    z_loss = (torch.logsumexp(logits, dim=-1).square() * weights).sum() / num_tokens
-    return balance, z_loss
+    return num_experts * (fraction * mean_probability).sum(), router_z_loss(logits, weights)
+
+
+def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Tokens each expert takes under expert choice: floor(factor * tokens * k / E), at least 1 and at most
+    `tokens` (MegaDLMs: `max(tokens * k // E, 1)`, factor 1). Integer arithmetic, so compiled code with a
+    symbolic `tokens` needs no float guard."""
+    factor = Fraction(capacity_factor).limit_denominator(1 << 16)
+    return max(1, min(tokens, tokens * top_k * factor.numerator // (num_experts * factor.denominator)))
+
+
+def expert_choice_routing(router_logits: torch.Tensor, rows: int, top_k: int, capacity_factor: float = 1.0,
+                          pre_softmax: bool = False, token_mask: torch.Tensor | None = None):
+    """MegaDLMs' expert choice (`expert_choice_softmax_with_capacity`). router_logits (N, E), N = rows x L: the
+    experts choose within each of `rows` groups of consecutive tokens (rows=1: the whole micro-batch).
+
+    Each expert takes the C = `expert_capacity(L, ...)` tokens of each group with the highest score: the
+    router logit, or with `pre_softmax` the softmax probability over experts. A token's weights: without
+    `pre_softmax` the softmax over the logits of the experts that chose it (zero when none did); with it
+    the chosen probabilities. Padding (token_mask 0) ranks below every real token and gets zero weight.
+    -> tokens (E, rows * C) token ids per expert, weights (E, rows * C) fp32, chosen (N, E) bool
+    (real tokens only).
+    """
+    num_tokens, num_experts = router_logits.shape
+    logits = router_logits.float()
+    real = None if token_mask is None else token_mask.reshape(-1, 1).bool()  # (N, 1)
+    scores = logits.softmax(dim=-1) if pre_softmax else logits
+    if real is not None:
+        scores = scores.masked_fill(~real, float("-inf"))
+    group = num_tokens // rows
+    capacity = expert_capacity(group, num_experts, top_k, capacity_factor)
+    values, index = scores.view(rows, group, num_experts).topk(capacity, dim=1)  # (rows, C, E)
+    tokens = index + (torch.arange(rows, device=index.device) * group)[:, None, None]
+    tokens, values = tokens.reshape(-1, num_experts), values.reshape(-1, num_experts)  # (rows * C, E)
+    chosen = torch.zeros_like(logits, dtype=torch.bool).scatter_(0, tokens, True)  # (N, E)
+    if real is not None:
+        chosen = chosen & real
+    if pre_softmax:
+        weights = values
+    else:  # softmax over the chosen experts' logits (a finite fill: a row with none stays NaN-free)
+        weights = logits.masked_fill(~chosen, torch.finfo(logits.dtype).min).softmax(dim=-1).gather(0, tokens)
+    if real is not None:
+        weights = weights.masked_fill(~real.reshape(-1)[tokens], 0.0)
+    return tokens.T, weights.T, chosen
+
+
+def expert_choice_aux_losses(router_logits: torch.Tensor, chosen: torch.Tensor, top_k: int,
+                             token_mask: torch.Tensor | None = None):
+    """(load-balancing loss, z-loss) of one expert-choice layer. The balance loss is MegaDLMs'
+    `ec_load_balancing_loss_func`: P = softmax of the logits over the tokens (each expert's distribution over
+    tokens), n_t = experts that chose token t (no gradient); loss = sum_t (sum_e P[t, e]) n_t / (E k), 1.0 for
+    a uniform router. It pushes each token towards being chosen by k experts. Padding is left out."""
+    logits = router_logits.float()
+    num_experts = logits.shape[-1]
+    weights = torch.ones_like(logits[:, 0]) if token_mask is None else token_mask.reshape(-1).to(logits.dtype)
+    over_tokens = logits.masked_fill(weights[:, None] == 0, torch.finfo(logits.dtype).min).softmax(dim=0)
+    experts_per_token = chosen.sum(dim=-1).to(logits.dtype)
+    balance = (over_tokens.sum(dim=-1) * experts_per_token).sum() / (num_experts * top_k)
+    return balance, router_z_loss(logits, weights)
 
 
 class DLMExperts(nn.Module):
@@ -95,8 +165,8 @@ class DLMExperts(nn.Module):
 
 
 class DLMSparseMoeBlock(nn.Module):
-    """Top-k token-choice MoE (Qwen3-MoE semantics), dropless, plus an optional gated shared expert
-    (Qwen2-MoE). forward(hidden_states (B, L, H)) -> (B, L, H); the forward leaves this layer's
+    """Dropless MoE with the router of `config.moe_router` (see `DLMConfig`), plus an optional gated shared
+    expert (Qwen2-MoE). forward(hidden_states (B, L, H)) -> (B, L, H); the forward leaves this layer's
     (load-balancing, z) losses in `router_losses`, where the model collects them, computed over the tokens
     that `token_mask` (B, L), set by the model for the duration of its forward, marks real."""
 
@@ -105,6 +175,10 @@ class DLMSparseMoeBlock(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.router = config.moe_router
+        self.expert_choice_level = config.expert_choice_level
+        self.capacity_factor = config.expert_capacity_factor
+        self.pre_softmax = config.expert_choice_pre_softmax
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router
         self.experts = DLMExperts(config)
         self.shared_expert = shared_expert
@@ -112,8 +186,15 @@ class DLMSparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.router_losses = self.token_mask = None
 
+    @property
+    def mean_experts_per_token(self) -> float:
+        """Experts a token runs through on average: k, or under expert choice k times the capacity factor."""
+        if self.router == "expert_choice":
+            return min(self.num_experts, self.top_k * self.capacity_factor)
+        return self.top_k
+
     def route(self, hidden_states: torch.Tensor):
-        """(N, H) -> router logits (N, E), top-k weights (N, k) fp32, top-k expert ids (N, k)."""
+        """Token choice. (N, H) -> router logits (N, E), top-k weights (N, k) fp32, top-k expert ids (N, k)."""
         router_logits = self.gate(hidden_states)
         probabilities = F.softmax(router_logits, dim=-1, dtype=torch.float32)
         top_weights, top_experts = probabilities.topk(self.top_k, dim=-1)
@@ -121,22 +202,40 @@ class DLMSparseMoeBlock(nn.Module):
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         return router_logits, top_weights, top_experts
 
+    def _token_choice(self, hidden_states, token_mask):
+        """-> (token of each assignment, its weight), both sorted by expert, counts (E,), router losses."""
+        router_logits, top_weights, top_experts = self.route(hidden_states)
+        flat_experts = top_experts.reshape(-1)  # (N * k,)
+        order = flat_experts.argsort(stable=True)  # stable: a token's rows keep their order
+        counts = count_per_expert(flat_experts, self.num_experts)
+        losses = router_aux_losses(router_logits, top_experts, self.num_experts, token_mask)
+        return order // self.top_k, top_weights.reshape(-1)[order], counts, losses
+
+    def _expert_choice(self, hidden_states, token_mask, rows):
+        router_logits = self.gate(hidden_states)
+        tokens, weights, chosen = expert_choice_routing(router_logits, rows, self.top_k, self.capacity_factor,
+                                                        self.pre_softmax, token_mask)  # (E, rows * C)
+        counts = torch.full((self.num_experts,), tokens.shape[1], dtype=torch.long, device=tokens.device)
+        losses = expert_choice_aux_losses(router_logits, chosen, self.top_k, token_mask)
+        return tokens.reshape(-1), weights.reshape(-1), counts, losses
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         hidden_states = hidden_states.reshape(-1, shape[-1])  # (N, H)
-        router_logits, top_weights, top_experts = self.route(hidden_states)
+        token_mask = None if self.token_mask is None else self.token_mask.reshape(-1)
         self.router_losses = None
-        if hidden_states.shape[0] > 0:
-            self.router_losses = router_aux_losses(router_logits, top_experts, self.num_experts, self.token_mask)
-
-        # dispatch: the N * k assignments sorted by expert (stable, so a token's rows keep their order)
-        flat_experts = top_experts.reshape(-1)  # (N * k,)
-        order = flat_experts.argsort(stable=True)
-        counts = torch.bincount(flat_experts, minlength=self.num_experts)  # (E,)
-        source_rows = order // self.top_k  # the token of each sorted assignment
-        expert_output = self.experts(hidden_states.index_select(0, source_rows), counts)  # (N * k, H)
-        expert_output = expert_output * top_weights.reshape(-1)[order, None].to(expert_output.dtype)
-        output = torch.zeros_like(hidden_states, dtype=expert_output.dtype).index_add_(0, source_rows, expert_output)
+        if hidden_states.shape[0] == 0:
+            return hidden_states.reshape(shape)
+        if self.router == "expert_choice":
+            rows = shape[0] if self.expert_choice_level == "sequence" and len(shape) == 3 else 1
+            token_rows, row_weights, counts, losses = self._expert_choice(hidden_states, token_mask, rows)
+        else:
+            token_rows, row_weights, counts, losses = self._token_choice(hidden_states, token_mask)
+        self.router_losses = losses
+        # dispatch: the assignments' tokens, one contiguous run per expert; combine: weighted sum per token
+        expert_output = self.experts(hidden_states.index_select(0, token_rows), counts)
+        expert_output = expert_output * row_weights[:, None].to(expert_output.dtype)
+        output = torch.zeros_like(hidden_states, dtype=expert_output.dtype).index_add_(0, token_rows, expert_output)
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden_states)
             output = output + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
@@ -144,14 +243,16 @@ class DLMSparseMoeBlock(nn.Module):
 
 
 def active_parameter_count(model: nn.Module) -> int:
-    """Parameters one token runs through: all, less the (E - k) / E share of every MoE layer's experts (the
-    N of the 6N FLOPs-per-token count)."""
+    """Parameters one token runs through: all, less the idle share of every MoE layer's experts (all but k of
+    E under token choice; under expert choice a token runs k x capacity factor experts on average): the N of
+    the 6N FLOPs-per-token count."""
     total = sum(p.numel() for p in model.parameters())
     for module in model.modules():
         if isinstance(module, DLMSparseMoeBlock):
             experts = module.experts.gate_up_proj.numel() + module.experts.down_proj.numel()
-            total -= experts * (module.num_experts - module.top_k) // module.num_experts
+            total -= round(experts * (module.num_experts - module.mean_experts_per_token) / module.num_experts)
     return total
 
 
-__all__ = ["DLMExperts", "DLMSparseMoeBlock", "router_aux_losses", "active_parameter_count"]
+__all__ = ["DLMExperts", "DLMSparseMoeBlock", "router_aux_losses", "expert_choice_routing",
+           "expert_choice_aux_losses", "expert_capacity", "count_per_expert", "active_parameter_count"]

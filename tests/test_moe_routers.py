@@ -195,3 +195,175 @@ def test_bad_router_settings_name_their_field(field, value):
         tiny_config(num_experts=4, **{field: value})
     cause = error.value if isinstance(error.value, FieldError) else error.value.__cause__
     assert isinstance(cause, FieldError) and cause.field == field and cause.value == value
+
+
+# ---- sigmoid router (DeepSeek-V3 / LLaDA2), LLaDA-MoE's biased softmax, the aux-loss-free bias update ----
+
+SIGMOID = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, moe_router="sigmoid", n_group=4,
+               topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, moe_router_enable_expert_bias=True)
+
+
+def _sorted_by_expert(weights, experts):
+    """(weights, experts) of each token in expert order, to compare routers whose top-k order differs."""
+    experts, order = experts.sort(dim=-1)
+    return weights.gather(-1, order), experts
+
+
+def test_sigmoid_router_equals_transformers_deepseek_v3_router():
+    """LLaDA2's gate has DeepSeek-V3's math (sigmoid, expert bias for the choice, group-limited top-k by the sum
+    of each group's two best scores, renormalised weights times the scaling factor): transformers' own router
+    on the same weights and inputs gives the same choice and weights."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    block = _randomized_block(**SIGMOID)
+    with torch.no_grad():
+        block.expert_bias.copy_(torch.randn(8) * 0.3)
+    reference = DeepseekV3TopkRouter(DeepseekV3Config(
+        hidden_size=H, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True))
+    with torch.no_grad():
+        reference.weight.copy_(block.gate.weight)
+        reference.e_score_correction_bias.copy_(block.expert_bias)
+    x = torch.randn(64, H)
+    logits, weights, experts = block.route(x)
+    ref_logits, ref_weights, ref_experts = reference(x)
+    torch.testing.assert_close(logits, ref_logits)
+    weights, experts = _sorted_by_expert(weights, experts)
+    ref_weights, ref_experts = _sorted_by_expert(ref_weights, ref_experts)
+    assert torch.equal(experts, ref_experts)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-6)
+    # teeth: the bias and the group limit both change some tokens' experts
+    with torch.no_grad():
+        block.expert_bias.zero_()
+    assert not torch.equal(_sorted_by_expert(*block.route(x)[1:])[1], experts)
+    block.n_group = 1
+    assert not torch.equal(_sorted_by_expert(*block.route(x)[1:])[1], ref_experts)
+
+
+def test_group_limited_sigmoid_routing_on_a_hand_built_case():
+    """4 experts in 2 groups, top-1 group, k = 1. Scores (0.6, 0.55 | 0.9, 0.1): group scores 1.15 and 1.0, so
+    expert 0 wins although expert 2 scores best; its weight is its own score (k = 1, no renormalisation) times
+    the scaling factor 2. With an expert bias of +0.5 on expert 3 group 2 wins (1.0 + 0.5) and expert 2 is
+    chosen, weighted by its unbiased score 0.9."""
+    config = tiny_config(hidden_size=4, num_attention_heads=1, num_key_value_heads=1, num_experts=4,
+                         num_experts_per_tok=1, moe_intermediate_size=4, moe_router="sigmoid", n_group=2,
+                         topk_group=1, routed_scaling_factor=2.0, moe_router_enable_expert_bias=True)
+    block = DLMSparseMoeBlock(config)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.eye(4))
+    scores = torch.tensor([[0.6, 0.55, 0.9, 0.1]])
+    x = torch.log(scores / (1 - scores))  # logits whose sigmoid are the scores
+    _, weights, experts = block.route(x)
+    assert experts.tolist() == [[0]]
+    torch.testing.assert_close(weights, torch.tensor([[1.2]]))
+    with torch.no_grad():
+        block.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.5]))
+    _, weights, experts = block.route(x)
+    assert experts.tolist() == [[2]]
+    torch.testing.assert_close(weights, torch.tensor([[1.8]]))
+
+
+def _llada_moe_reference(block, x):
+    """LLaDA-MoE's published block, transcribed: softmax in fp32 whatever its score-function field says, the
+    expert bias added to the probabilities, top-k of those, used unnormalised as weights."""
+    probabilities = torch.softmax(x @ block.gate.weight.T, dim=-1, dtype=torch.float32) + block.expert_bias
+    weights, experts = probabilities.topk(block.top_k, dim=-1)
+    gates = torch.zeros_like(probabilities).scatter(1, experts, weights)
+    return _mixture(block, x, gates), experts
+
+
+def test_softmax_router_with_expert_bias_equals_llada_moe():
+    block = _randomized_block(num_experts=8, num_experts_per_tok=2, moe_router_enable_expert_bias=True)
+    with torch.no_grad():
+        block.expert_bias.copy_(torch.linspace(-0.2, 0.3, 8))
+    x = torch.randn(2, 16, H)
+    expected, experts = _llada_moe_reference(block, x.reshape(-1, H))
+    torch.testing.assert_close(block(x), expected.view(2, 16, H), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        block.expert_bias.zero_()
+    assert not torch.equal(_llada_moe_reference(block, x.reshape(-1, H))[1], experts)  # the bias mattered
+
+
+def test_expert_bias_update_on_a_hand_computed_case():
+    """Loads (5, 1, 3, 3): mean 3, so the bias moves by rate * sign(3 - load) = (-r, +r, 0, 0); the counts clear."""
+    from hf_dlm.modeling.moe import update_expert_bias
+
+    block = _randomized_block(num_experts=4, moe_router="sigmoid", moe_router_enable_expert_bias=True,
+                              moe_router_bias_update_rate=0.1)
+    with torch.no_grad():
+        block.expert_bias.copy_(torch.tensor([0.5, 0.0, -0.25, 1.0]))
+    block.tokens_per_expert.copy_(torch.tensor([5, 1, 3, 3]))
+    update_expert_bias(block)
+    torch.testing.assert_close(block.expert_bias, torch.tensor([0.4, 0.1, -0.25, 1.0]))
+    assert block.tokens_per_expert.tolist() == [0, 0, 0, 0]
+
+
+def test_training_forward_counts_real_tokens_per_expert():
+    block = _randomized_block(num_experts=4, moe_router="sigmoid", moe_router_enable_expert_bias=True,
+                              moe_router_bias_update_rate=0.1)
+    x = torch.randn(2, 6, H)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :3] = 0
+    block.token_mask = mask
+    block.eval()(x)
+    assert block.tokens_per_expert.sum() == 0  # evaluation does not count
+    block.train()(x)
+    block(x)
+    experts = block.route(x.reshape(-1, H))[2][mask.reshape(-1).bool()]
+    expected = torch.stack([(experts == e).sum() for e in range(4)])
+    assert block.tokens_per_expert.tolist() == (2 * expected).tolist()  # two forwards, real tokens only
+
+
+def test_expert_bias_stays_fp32_through_dtype_casts_and_loading(tmp_path):
+    """bf16 holds 0.75 + 1e-3 as 0.75: the bias must survive `.to(torch.bfloat16)` and a bf16 load."""
+    from hf_dlm import DLMForDiffusionLM
+
+    model = tiny_model(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_router="sigmoid",
+                       moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3)
+    bias = torch.tensor([0.75, -0.5, 0.25, 1.0]) + 1e-3
+    with torch.no_grad():
+        model.model.layers[0].mlp.expert_bias.copy_(bias)
+    model.save_pretrained(tmp_path)
+    model.to(torch.bfloat16)
+    assert model.model.layers[0].mlp.expert_bias.dtype == torch.float32
+    assert torch.equal(model.model.layers[0].mlp.expert_bias, bias)
+    assert model.model.layers[0].mlp.gate.weight.dtype == torch.bfloat16
+    loaded = DLMForDiffusionLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert torch.equal(loaded.model.layers[0].mlp.expert_bias, bias)
+    assert loaded.model.layers[1].mlp.tokens_per_expert.tolist() == [0, 0, 0, 0]
+    # a checkpoint without the bias (a router that had none) loads with a zero bias
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.endswith("expert_bias")}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    loaded = DLMForDiffusionLM.from_pretrained(tmp_path)
+    assert loaded.model.layers[0].mlp.expert_bias.tolist() == [0.0] * 4
+
+
+def test_dlm_trainer_updates_the_expert_bias_once_per_optimizer_step(tmp_path):
+    """DLMTrainer, 2 optimizer steps of 2 accumulated micro-batches (learning rate 0, so the routing of a replay
+    is the trainer's): the bias equals a replay that counts each step's micro-batches and then updates once."""
+    import copy
+
+    from hf_dlm.modeling.moe import update_expert_bias
+    from .trainer_utils import RecordingTrainer, make_args, random_dataset
+
+    rate = 0.01
+    model = tiny_model(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16, moe_router="sigmoid",
+                       moe_router_enable_expert_bias=True, moe_router_bias_update_rate=rate).train()
+    replay = copy.deepcopy(model)
+    trainer = RecordingTrainer(model=model, train_dataset=random_dataset(),
+                               args=make_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                              max_steps=2, learning_rate=0.0, warmup_steps=0))
+    trainer.train()
+    with torch.no_grad():
+        for micro_batches in trainer.batches:
+            for batch in micro_batches:
+                replay(**{k: v for k, v in batch.items() if k != "_dlm_stats"})
+            update_expert_bias(replay)
+    for layer, expected in zip(model.model.layers, replay.model.layers):
+        torch.testing.assert_close(layer.mlp.expert_bias, expected.mlp.expert_bias, atol=0, rtol=0)
+        assert layer.mlp.tokens_per_expert.sum() == 0
+    assert abs(model.model.layers[0].mlp.expert_bias.abs().max().item() - 2 * rate) < 1e-6  # both steps moved it

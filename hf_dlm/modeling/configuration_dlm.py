@@ -50,9 +50,26 @@ class DLMConfig(PreTrainedConfig):
       eq. 4, transformers' `load_balancing_loss_func`: f_e = top-k assignments to e / tokens, P_e = mean
       router probability), averaged over MoE layers; `router_z_loss_coef`: weight of the router z-loss
       `mean_tokens(logsumexp(router_logits)^2)` (ST-MoE eq. 5).
-    - `moe_router`: `"softmax"` (token choice: each token takes its top-k experts by softmax probability,
-      Qwen3-MoE) or `"expert_choice"` (MegaDLMs' `ExpertChoiceRouter`, used for OpenMoE 2: each expert
-      takes its top-capacity tokens). Expert choice:
+    - `moe_router`: how tokens and experts meet.
+      - `"softmax"` (token choice, Qwen3-MoE): each token takes its top-k experts by softmax probability.
+      - `"sigmoid"` (token choice, DeepSeek-V3 / LLaDA2 `BailingMoeV2Gate`): sigmoid scores in fp32, top-k by
+        score (plus the expert bias, if any, for the choice only); weights are the chosen scores,
+        renormalised with `norm_topk_prob`. Its balance loss reads the scores normalised per token.
+      - `"expert_choice"` (MegaDLMs' `ExpertChoiceRouter`, OpenMoE 2): each expert takes its top-capacity tokens.
+    - Token-choice options (DeepSeek-V3 names):
+      - `n_group`, `topk_group`: group-limited routing: the E experts form `n_group` groups of consecutive
+        experts, a group scores the sum of its two best scores, and a token picks its k experts within its
+        `topk_group` best groups (1, 1: no limit).
+      - `routed_scaling_factor`: the routed experts' weights are multiplied by it (LLaDA2: 2.5).
+      - `moe_router_enable_expert_bias` (LLaDA / Megatron name; DeepSeek-V3's `e_score_correction_bias`): a
+        per-expert bias buffer `mlp.expert_bias`, kept in fp32. With `"sigmoid"` it is added to the scores for
+        the choice only; with `"softmax"` it is added to the probabilities used for choice and weights, as
+        LLaDA-MoE's router does (which also leaves its top-k weights unnormalised: `norm_topk_prob=False`).
+      - `moe_router_bias_update_rate` (Megatron's name): DeepSeek-V3's auxiliary-loss-free balancing. After
+        every optimizer step, `bias_e += rate * sign(mean load - load_e)` over the tokens each expert took
+        (`hf_dlm.modeling.moe.update_expert_bias`; DLMTrainer calls it). 0 (default) keeps the bias fixed, as
+        a loaded checkpoint's routing policy; DeepSeek-V3 trained with 0.001.
+    - Expert choice:
       - `expert_choice_level`: `"sequence"` (MegaDLMs' default: each expert picks within each row, so rows
         stay independent) or `"batch"` (each expert picks among all tokens of the micro-batch: a token's
         output then depends on the other rows, and at inference on what is batched with it).
@@ -138,6 +155,11 @@ class DLMConfig(PreTrainedConfig):
     expert_choice_level: str = "sequence"
     expert_capacity_factor: float = 1.0
     expert_choice_pre_softmax: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 0.0
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -205,6 +227,23 @@ class DLMConfig(PreTrainedConfig):
               f"must be one of {EXPERT_CHOICE_LEVELS}, got {self.expert_choice_level!r}")
         check(self.expert_capacity_factor > 0, "expert_capacity_factor",
               f"must be positive, got {self.expert_capacity_factor}")
+        check(self.routed_scaling_factor > 0, "routed_scaling_factor", f"must be positive, got {self.routed_scaling_factor}")
+        experts, group = self.num_experts, self.n_group
+        check(group >= 1 and experts % group == 0 and (group == 1 or experts // group >= 2), "n_group",
+              f"({group}) must divide num_experts ({experts}) into groups of at least 2 experts")
+        check(1 <= self.topk_group <= group, "topk_group", f"({self.topk_group}) must lie in [1, n_group={group}]")
+        if group > 1:
+            check(self.moe_router != "expert_choice", "n_group", "> 1 (group-limited routing) needs token choice")
+            check(self.num_experts_per_tok <= self.topk_group * (experts // group), "topk_group",
+                  f"({self.topk_group}) groups of {experts // group} experts cannot hold "
+                  f"num_experts_per_tok={self.num_experts_per_tok} experts")
+        if self.moe_router_enable_expert_bias:
+            check(self.moe_router != "expert_choice", "moe_router_enable_expert_bias",
+                  "needs token choice (moe_router 'softmax' or 'sigmoid')")
+        check(self.moe_router_bias_update_rate >= 0, "moe_router_bias_update_rate",
+              f"must be >= 0, got {self.moe_router_bias_update_rate}")
+        check(not self.moe_router_bias_update_rate or self.moe_router_enable_expert_bias,
+              "moe_router_bias_update_rate", "> 0 needs moe_router_enable_expert_bias=True")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer `layer_idx` holds a sparse MoE block (Qwen3-MoE's rule)."""

@@ -229,11 +229,14 @@ class DLMPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, DLMExperts):
-            from transformers import initialization as init
+        from transformers import initialization as init
 
+        if isinstance(module, DLMExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=self.config.initializer_range)
             init.normal_(module.down_proj, mean=0.0, std=self.config.initializer_range)
+        elif isinstance(module, DLMSparseMoeBlock) and module.expert_bias is not None:
+            init.zeros_(module.expert_bias)
+            init.zeros_(module.tokens_per_expert)  # non-persistent: a load leaves it uninitialised
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save, plus self-contained remote code, `auto_map` and a model card

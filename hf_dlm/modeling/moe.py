@@ -14,6 +14,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
@@ -39,21 +40,32 @@ def router_z_loss(router_logits: torch.Tensor, weights: torch.Tensor) -> torch.T
 
 
 def router_aux_losses(router_logits: torch.Tensor, top_experts: torch.Tensor, num_experts: int,
-                      token_mask: torch.Tensor | None = None):
+                      token_mask: torch.Tensor | None = None, probabilities: torch.Tensor | None = None):
     """(load-balancing loss, z-loss) of one token-choice MoE layer. router_logits (N, E), top_experts (N, k),
     token_mask (N,) with 0 for padding (left out of both losses, as transformers' `attention_mask` argument does).
 
     Load balancing (Switch Transformer eq. 4, in transformers' top-k form): `E * sum_e f_e * P_e`, f_e the
     number of top-k assignments to expert e over the number of tokens (sums to k), P_e the mean router
-    probability of e; it is k for a uniform router.
+    probability of e (`probabilities` (N, E), default the softmax of the logits); it is k for a uniform router.
     """
     logits = router_logits.float()
     weights = torch.ones_like(logits[:, 0]) if token_mask is None else token_mask.reshape(-1).to(logits.dtype)
     num_tokens = weights.sum().clamp(min=1)
     top_k = top_experts.shape[-1]
     fraction = count_per_expert(top_experts, num_experts, weights[:, None].expand(-1, top_k)) / num_tokens
-    mean_probability = (logits.softmax(dim=-1) * weights[:, None]).sum(0) / num_tokens  # (E,)
+    probabilities = logits.softmax(dim=-1) if probabilities is None else probabilities
+    mean_probability = (probabilities * weights[:, None]).sum(0) / num_tokens  # (E,)
     return num_experts * (fraction * mean_probability).sum(), router_z_loss(logits, weights)
+
+
+def group_limited_mask(scores: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """(N, E) bool: the experts of each token's `topk_group` best groups of E / n_group consecutive experts, a
+    group scored by the sum of its two best scores (DeepSeek-V3's `noaux_tc`, LLaDA2's `group_limited_topk`)."""
+    num_tokens, num_experts = scores.shape
+    grouped = scores.view(num_tokens, n_group, num_experts // n_group)
+    groups = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(topk_group, dim=-1).indices  # (N, topk_group)
+    keep = torch.zeros(num_tokens, n_group, dtype=torch.bool, device=scores.device).scatter_(1, groups, True)
+    return keep[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
 
 
 def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -168,7 +180,11 @@ class DLMSparseMoeBlock(nn.Module):
     """Dropless MoE with the router of `config.moe_router` (see `DLMConfig`), plus an optional gated shared
     expert (Qwen2-MoE). forward(hidden_states (B, L, H)) -> (B, L, H); the forward leaves this layer's
     (load-balancing, z) losses in `router_losses`, where the model collects them, computed over the tokens
-    that `token_mask` (B, L), set by the model for the duration of its forward, marks real."""
+    that `token_mask` (B, L), set by the model for the duration of its forward, marks real.
+
+    With `moe_router_enable_expert_bias` the block holds `expert_bias` (E,), fp32 whatever the model's dtype,
+    and, while training with `moe_router_bias_update_rate > 0`, counts each expert's tokens in
+    `tokens_per_expert` for `update_expert_bias`."""
 
     def __init__(self, config, shared_expert: nn.Module | None = None):
         super().__init__()
@@ -176,6 +192,15 @@ class DLMSparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.router = config.moe_router
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.bias_update_rate = config.moe_router_bias_update_rate
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+            self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.long),
+                                 persistent=False)
+        else:
+            self.expert_bias = self.tokens_per_expert = None
         self.expert_choice_level = config.expert_choice_level
         self.capacity_factor = config.expert_capacity_factor
         self.pre_softmax = config.expert_choice_pre_softmax
@@ -193,14 +218,41 @@ class DLMSparseMoeBlock(nn.Module):
             return min(self.num_experts, self.top_k * self.capacity_factor)
         return self.top_k
 
+    def _apply(self, fn, recurse=True):
+        # `.to(torch.bfloat16)` / `.half()` leave the expert bias in fp32: update steps of ~1e-3 on a bias near 1
+        # vanish in bf16 (transformers keeps DeepSeek-V3's bias in fp32 on loading for the same reason)
+        bias = self._buffers.get("expert_bias")
+        super()._apply(fn, recurse)
+        if bias is not None and self.expert_bias.dtype != torch.float32:
+            moved = self.expert_bias
+            self.expert_bias = moved.float() if bias.is_meta or moved.is_meta else bias.to(moved.device)
+        return self
+
     def route(self, hidden_states: torch.Tensor):
-        """Token choice. (N, H) -> router logits (N, E), top-k weights (N, k) fp32, top-k expert ids (N, k)."""
-        router_logits = self.gate(hidden_states)
-        probabilities = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-        top_weights, top_experts = probabilities.topk(self.top_k, dim=-1)
+        """Token choice. (N, H) -> router logits (N, E), top-k weights (N, k) fp32, top-k expert ids (N, k).
+
+        "softmax": probabilities in fp32 (logits in the compute dtype, as Qwen3-MoE); an expert bias is added to
+        the probabilities and enters selection and weights (LLaDA-MoE). "sigmoid": logits and scores in fp32,
+        the bias steers the selection only (DeepSeek-V3, LLaDA2). Then, for both: group-limited selection when
+        `n_group > 1`, weights renormalised over the k with `norm_topk_prob`, times `routed_scaling_factor`."""
+        if self.router == "sigmoid":
+            with torch.autocast(hidden_states.device.type, enabled=False):
+                router_logits = F.linear(hidden_states.float(), self.gate.weight.float())
+            scores = router_logits.sigmoid()
+            choice = scores if self.expert_bias is None else scores + self.expert_bias
+        else:
+            router_logits = self.gate(hidden_states)
+            scores = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+            if self.expert_bias is not None:
+                scores = scores + self.expert_bias
+            choice = scores
+        if self.n_group > 1:
+            choice = choice.masked_fill(~group_limited_mask(choice, self.n_group, self.topk_group), float("-inf"))
+        top_experts = choice.topk(self.top_k, dim=-1).indices
+        top_weights = scores.gather(-1, top_experts)
         if self.norm_topk_prob:
-            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
-        return router_logits, top_weights, top_experts
+            top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return router_logits, top_weights * self.routed_scaling_factor, top_experts
 
     def _token_choice(self, hidden_states, token_mask):
         """-> (token of each assignment, its weight), both sorted by expert, counts (E,), router losses."""
@@ -208,7 +260,17 @@ class DLMSparseMoeBlock(nn.Module):
         flat_experts = top_experts.reshape(-1)  # (N * k,)
         order = flat_experts.argsort(stable=True)  # stable: a token's rows keep their order
         counts = count_per_expert(flat_experts, self.num_experts)
-        losses = router_aux_losses(router_logits, top_experts, self.num_experts, token_mask)
+        probabilities = None
+        if self.router == "sigmoid":  # DeepSeek-V3's balance loss reads the scores normalised per token
+            probabilities = router_logits.sigmoid()
+            probabilities = probabilities / probabilities.sum(dim=-1, keepdim=True)
+        losses = router_aux_losses(router_logits, top_experts, self.num_experts, token_mask, probabilities)
+        if self.training and self.bias_update_rate > 0:  # the real tokens each expert took, for update_expert_bias
+            with torch.no_grad():
+                real = torch.ones_like(top_experts)
+                if token_mask is not None:
+                    real = real * token_mask.reshape(-1, 1).long()
+                self.tokens_per_expert += count_per_expert(top_experts, self.num_experts, real)
         return order // self.top_k, top_weights.reshape(-1)[order], counts, losses
 
     def _expert_choice(self, hidden_states, token_mask, rows):
@@ -242,6 +304,28 @@ class DLMSparseMoeBlock(nn.Module):
         return output.reshape(shape)
 
 
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, group=None) -> None:
+    """DeepSeek-V3's auxiliary-loss-free load balancing, once per optimizer step, outside autograd: every MoE
+    layer with `moe_router_bias_update_rate` r > 0 moves its expert bias by `r * sign(mean_e load - load_e)`
+    (overloaded experts down, underloaded up), load = the tokens each expert took since the last update, then
+    clears the counts. Under data / expert parallelism the counts are summed over `group` first (default: every
+    process), so every rank applies the same update; with pipeline stages pass the stage's data-parallel group.
+    Activation checkpointing counts a layer's tokens twice, which leaves every sign unchanged."""
+    blocks = [module for module in model.modules()
+              if isinstance(module, DLMSparseMoeBlock) and module.expert_bias is not None and module.bias_update_rate > 0]
+    if not blocks:
+        return
+    loads = torch.stack([block.tokens_per_expert for block in blocks])  # (layers, E), one collective for all
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(loads, group=group)
+    loads = loads.double()
+    for block, load in zip(blocks, loads):
+        step = block.bias_update_rate * torch.sign(load.mean() - load)
+        block.expert_bias.add_(step.to(block.expert_bias.dtype))
+        block.tokens_per_expert.zero_()
+
+
 def active_parameter_count(model: nn.Module) -> int:
     """Parameters one token runs through: all, less the idle share of every MoE layer's experts (all but k of
     E under token choice; under expert choice a token runs k x capacity factor experts on average): the N of
@@ -255,4 +339,5 @@ def active_parameter_count(model: nn.Module) -> int:
 
 
 __all__ = ["DLMExperts", "DLMSparseMoeBlock", "router_aux_losses", "expert_choice_routing",
-           "expert_choice_aux_losses", "expert_capacity", "count_per_expert", "active_parameter_count"]
+           "expert_choice_aux_losses", "expert_capacity", "group_limited_mask", "count_per_expert",
+           "update_expert_bias", "active_parameter_count"]

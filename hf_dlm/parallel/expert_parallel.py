@@ -1,4 +1,6 @@
-"""Expert parallelism: each rank of a 1-D mesh holds E / size of every MoE layer's experts and the
+"""Expert parallelism, and the expert-bias update of the MoE routers under data / expert parallelism.
+
+Expert parallelism: each rank of a 1-D mesh holds E / size of every MoE layer's experts and the
 tokens travel to them and back by all-to-all (GShard / torchtitan's `ExpertParallel` layout).
 
 The MoE block (`hf_dlm.modeling.moe.DLMSparseMoeBlock`) already hands its experts the assignments sorted
@@ -18,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from transformers import TrainerCallback
 
-from ..modeling.moe import DLMExperts
+from ..modeling.moe import DLMExperts, DLMSparseMoeBlock, update_expert_bias
 
 
 def _all_to_all(tokens: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
@@ -96,4 +99,27 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> nn.Module:
     return model
 
 
-__all__ = ["apply_expert_parallel", "expert_parameters"]
+class ExpertBiasUpdateCallback(TrainerCallback):
+    """After every optimizer step, DeepSeek-V3's auxiliary-loss-free bias update of the MoE routers that have
+    `moe_router_bias_update_rate > 0` (`hf_dlm.modeling.moe.update_expert_bias`), with each expert's load summed
+    over `group`: the ranks that route different tokens (None: every process)."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        update_expert_bias(model, self.group)
+
+
+def expert_bias_callback(model: nn.Module, parallel=None) -> ExpertBiasUpdateCallback | None:
+    """The callback a trainer adds for `model`, or None when no MoE layer updates its expert bias. `parallel`: the
+    trainer's mesh layout (`trainer_parallel.ParallelTraining`), whose `dp_cp` ranks route different tokens and
+    hold the same layers (pipeline stages stay apart); without one, every process."""
+    if not any(isinstance(m, DLMSparseMoeBlock) and m.expert_bias is not None and m.bias_update_rate > 0
+               for m in model.modules()):
+        return None
+    group = parallel.dims.meshes["dp_cp"].get_group() if parallel is not None else None
+    return ExpertBiasUpdateCallback(group)
+
+
+__all__ = ["apply_expert_parallel", "expert_parameters", "ExpertBiasUpdateCallback", "expert_bias_callback"]

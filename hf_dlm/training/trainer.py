@@ -29,6 +29,7 @@ from transformers.utils import logging
 
 from ..data.collator import DATA_STATE_KEY, DLMDataCollator
 from ..diffusion.elbo import elbo_nll
+from ..parallel.expert_parallel import expert_bias_callback
 from ..parallel.float8_delayed import float8_state_dict, load_float8_state_dict
 from ..parallel.trainer_parallel import (has_sharded_checkpoint, install_accelerator_hooks, load_scheduler_state,
                                          load_sharded_checkpoint, save_full_model, save_sharded_checkpoint,
@@ -128,6 +129,8 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
                          eval_dataset=eval_dataset, **kwargs)
         if self._parallel is not None:
             install_accelerator_hooks(self.accelerator, self._parallel)
+        if (bias_callback := expert_bias_callback(model, self._parallel)) is not None:
+            self.add_callback(bias_callback)  # MoE routers' aux-loss-free balancing, once per optimizer step
         self.objective = objective if objective is not None else args.build_objective(model.config)
         # our loss is normalised over the whole accumulated, global batch: never divide it again
         self.model_accepts_loss_kwargs = True

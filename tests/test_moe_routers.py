@@ -367,3 +367,69 @@ def test_dlm_trainer_updates_the_expert_bias_once_per_optimizer_step(tmp_path):
         torch.testing.assert_close(layer.mlp.expert_bias, expected.mlp.expert_bias, atol=0, rtol=0)
         assert layer.mlp.tokens_per_expert.sum() == 0
     assert abs(model.model.layers[0].mlp.expert_bias.abs().max().item() - 2 * rate) < 1e-6  # both steps moved it
+
+
+# ---- shared experts, dense first layers ----
+
+def test_llada2_style_block_equals_transformers_deepseek_v3_moe():
+    """Sigmoid router with expert bias and group limit, routed experts, and `n_shared_experts` ungated shared
+    experts of width n * moe_intermediate_size: transformers' DeepseekV3MoE on the same weights."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    from hf_dlm.modeling.modeling_dlm import DLMDecoderLayer
+
+    config = tiny_config(**SIGMOID, n_shared_experts=2)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    block = DLMDecoderLayer(config, 0).mlp
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(0, 0.3)
+        block.expert_bias.normal_(0, 0.3)
+    assert block.shared_experts.down_proj.in_features == 2 * 16 and block.shared_expert is None
+    reference_config = DeepseekV3Config(hidden_size=H, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+                                        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                        moe_intermediate_size=16, n_shared_experts=2, hidden_act="silu")
+    reference = DeepseekV3MoE(reference_config)
+    with torch.no_grad():
+        reference.gate.weight.copy_(block.gate.weight)
+        reference.gate.e_score_correction_bias.copy_(block.expert_bias)
+        reference.experts.gate_up_proj.copy_(block.experts.gate_up_proj)
+        reference.experts.down_proj.copy_(block.experts.down_proj)
+        reference.shared_experts.load_state_dict(block.shared_experts.state_dict())
+    x = torch.randn(2, 12, H)
+    torch.testing.assert_close(block(x), reference(x), atol=1e-5, rtol=1e-5)
+
+
+def test_dense_first_layers_and_shared_experts_in_a_model():
+    """LLaDA2's layout (first_k_dense_replace=1 -> mlp_only_layers=[0], ungated shared experts, sigmoid router):
+    layer 0 is a dense MLP of intermediate_size, layer 1 MoE; a few SGD steps lower the loss; the active
+    parameters count the shared experts whole."""
+    from hf_dlm.modeling.modeling_dlm import DLMMLP
+    from hf_dlm.modeling.moe import active_parameter_count
+
+    model = tiny_model(**SIGMOID, n_shared_experts=1, mlp_only_layers=[0], moe_router_bias_update_rate=0.01).train()
+    dense, moe = model.model.layers[0].mlp, model.model.layers[1].mlp
+    assert isinstance(dense, DLMMLP) and dense.up_proj.out_features == 64
+    assert isinstance(moe, DLMSparseMoeBlock) and moe.shared_experts.up_proj.out_features == 16
+    experts = moe.experts.gate_up_proj.numel() + moe.experts.down_proj.numel()
+    assert active_parameter_count(model) == sum(p.numel() for p in model.parameters()) - experts * 5 // 8
+    ids = torch.randint(0, 98, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = torch.where(torch.arange(12) % 2 == 0, ids, -100)
+    inputs = torch.where(labels != -100, 98, ids)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(4):
+        loss = model(input_ids=inputs, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert moe.tokens_per_expert.sum() == 4 * 24 * 3  # 4 forwards x 24 tokens x k
+
+
+def test_two_kinds_of_shared_expert_are_refused():
+    with pytest.raises(Exception, match="n_shared_experts"):
+        tiny_config(num_experts=4, n_shared_experts=1, shared_expert_intermediate_size=8)

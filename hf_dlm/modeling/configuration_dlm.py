@@ -44,8 +44,11 @@ class DLMConfig(PreTrainedConfig):
       expert's SwiGLU width; default `intermediate_size`), `norm_topk_prob` (renormalise the k weights).
     - `decoder_sparse_step`, `mlp_only_layers`: layer i is MoE when `(i + 1) % decoder_sparse_step == 0`
       and i is not in `mlp_only_layers`; other layers keep the dense MLP of `intermediate_size`.
-    - `shared_expert_intermediate_size`: a dense SwiGLU every token also runs, scaled by a sigmoid gate
-      (Qwen2-MoE); 0 = none.
+    - Dense first layers (DeepSeek-V3 / LLaDA2 `first_k_dense_replace = n`): `mlp_only_layers = [0, ..., n-1]`.
+    - Shared experts, a dense SwiGLU every token runs besides its routed experts (one kind at a time):
+      `shared_expert_intermediate_size` (its width; scaled by a sigmoid gate, Qwen2-MoE) or `n_shared_experts`
+      (DeepSeek-V3 name, LLaDA2's `num_shared_experts`: width `n_shared_experts * moe_intermediate_size`, no gate;
+      MegaDLMs' shared experts). 0 = none.
     - `router_aux_loss_coef`: weight of the load-balancing loss `E * sum_e f_e * P_e` (Switch Transformer
       eq. 4, transformers' `load_balancing_loss_func`: f_e = top-k assignments to e / tokens, P_e = mean
       router probability), averaged over MoE layers; `router_z_loss_coef`: weight of the router z-loss
@@ -148,6 +151,7 @@ class DLMConfig(PreTrainedConfig):
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] | None = None
     shared_expert_intermediate_size: int = 0
+    n_shared_experts: int = 0
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
     moe_implementation: str = "auto"
@@ -227,6 +231,9 @@ class DLMConfig(PreTrainedConfig):
               f"must be one of {EXPERT_CHOICE_LEVELS}, got {self.expert_choice_level!r}")
         check(self.expert_capacity_factor > 0, "expert_capacity_factor",
               f"must be positive, got {self.expert_capacity_factor}")
+        check(self.n_shared_experts >= 0, "n_shared_experts", f"must be >= 0, got {self.n_shared_experts}")
+        check(not (self.n_shared_experts and self.shared_expert_intermediate_size), "n_shared_experts",
+              "and shared_expert_intermediate_size both ask for a shared expert; set one (ungated or gated)")
         check(self.routed_scaling_factor > 0, "routed_scaling_factor", f"must be positive, got {self.routed_scaling_factor}")
         experts, group = self.num_experts, self.n_group
         check(group >= 1 and experts % group == 0 and (group == 1 or experts // group >= 2), "n_group",

@@ -159,8 +159,10 @@ class DLMDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.self_attn = DLMAttention(config, layer_idx)
         if config.is_moe_layer(layer_idx):
-            shared_size = config.shared_expert_intermediate_size
-            self.mlp = DLMSparseMoeBlock(config, DLMMLP(config, shared_size) if shared_size else None)
+            gated_size = config.shared_expert_intermediate_size
+            shared_size = config.n_shared_experts * config.moe_intermediate_size
+            self.mlp = DLMSparseMoeBlock(config, shared_expert=DLMMLP(config, gated_size) if gated_size else None,
+                                         shared_experts=DLMMLP(config, shared_size) if shared_size else None)
         else:
             self.mlp = DLMMLP(config)
         self.input_layernorm = DLMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)

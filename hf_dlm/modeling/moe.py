@@ -177,8 +177,9 @@ class DLMExperts(nn.Module):
 
 
 class DLMSparseMoeBlock(nn.Module):
-    """Dropless MoE with the router of `config.moe_router` (see `DLMConfig`), plus an optional gated shared
-    expert (Qwen2-MoE). forward(hidden_states (B, L, H)) -> (B, L, H); the forward leaves this layer's
+    """Dropless MoE with the router of `config.moe_router` (see `DLMConfig`), plus an optional shared expert every
+    token runs: `shared_expert`, scaled by a sigmoid gate (Qwen2-MoE), or `shared_experts`, ungated (DeepSeek-V3,
+    LLaDA2, MegaDLMs). forward(hidden_states (B, L, H)) -> (B, L, H); the forward leaves this layer's
     (load-balancing, z) losses in `router_losses`, where the model collects them, computed over the tokens
     that `token_mask` (B, L), set by the model for the duration of its forward, marks real.
 
@@ -186,7 +187,7 @@ class DLMSparseMoeBlock(nn.Module):
     and, while training with `moe_router_bias_update_rate > 0`, counts each expert's tokens in
     `tokens_per_expert` for `update_expert_bias`."""
 
-    def __init__(self, config, shared_expert: nn.Module | None = None):
+    def __init__(self, config, shared_expert: nn.Module | None = None, shared_experts: nn.Module | None = None):
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
@@ -209,6 +210,7 @@ class DLMSparseMoeBlock(nn.Module):
         self.shared_expert = shared_expert
         if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.shared_experts = shared_experts
         self.router_losses = self.token_mask = None
 
     @property
@@ -301,6 +303,8 @@ class DLMSparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden_states)
             output = output + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(hidden_states)
         return output.reshape(shape)
 
 

@@ -46,8 +46,9 @@ def _moe_fields(config) -> tuple[int, int, int, int]:
     top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_top_k", None) or (2 if experts else 0)
     expert_ffn = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     shared = getattr(config, "shared_expert_intermediate_size", None) or 0
-    if not shared and getattr(config, "num_shared_experts", 0):
-        shared = config.num_shared_experts * expert_ffn
+    shared_experts = getattr(config, "num_shared_experts", 0) or getattr(config, "n_shared_experts", 0)
+    if not shared and shared_experts:
+        shared = shared_experts * expert_ffn
     return experts, top_k, expert_ffn, shared
 
 

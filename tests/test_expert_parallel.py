@@ -1,6 +1,8 @@
 """Expert parallelism on CPU: 2 gloo processes, each holding half of the experts and training on half of
 every batch, reproduce a single process that runs both halves (loss and gradients within 1e-5, fp32),
-alone, under FSDP2 and under FSDP2 with activation checkpointing. One launch covers all layouts."""
+alone, under FSDP2 and under FSDP2 with activation checkpointing; and under FSDP2 for the sigmoid router
+(expert bias updated after every step from the loads of both ranks) and for expert choice. One launch covers
+all layouts."""
 
 import os
 import tempfile
@@ -10,18 +12,30 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hf_dlm.parallel.parallelize import parallelize_dlm
 from hf_dlm.diffusion.objective import MaskedDiffusionObjective
+from hf_dlm.modeling.moe import update_expert_bias
+from hf_dlm.parallel.parallelize import parallelize_dlm
 from tests.conftest import MASK_ID, VOCAB, tiny_model
 
 BATCH, LENGTH, STEPS, WORLD = 4, 12, 2, 2
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.1,
            router_z_loss_coef=0.01, shared_expert_intermediate_size=8)
-LAYOUTS = ("ep", "ep+fsdp", "ep+fsdp+checkpointing")
+ROUTERS = {  # router -> its options over MOE
+    "softmax": {},
+    "sigmoid": dict(moe_router="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05,
+                    routed_scaling_factor=2.0, norm_topk_prob=True,
+                    shared_expert_intermediate_size=0, n_shared_experts=1),
+    "expert_choice": dict(moe_router="expert_choice", expert_choice_level="batch", expert_capacity_factor=1.5),
+}
+LAYOUTS = ("ep", "ep+fsdp", "ep+fsdp+checkpointing", "sigmoid ep+fsdp", "expert_choice ep+fsdp")
 
 
-def _model():
-    model = tiny_model("sdpa", **MOE).train()
+def _router(layout):
+    return layout.split()[0] if " " in layout else "softmax"
+
+
+def _model(router="softmax"):
+    model = tiny_model("sdpa", **{**MOE, **ROUTERS[router]}).train()
     with torch.no_grad():  # a router far from uniform, so tokens really travel to both ranks unevenly
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0, 1.0)
@@ -42,8 +56,9 @@ def _full(tensor):
 
 
 def _train(model, ranks, sync_grads=None):
-    """STEPS of AdamW (lr 1e-2); each step's loss is the mean over `ranks` of their rows' losses (the
-    single process runs every rank's rows). Returns the losses and the first step's gradients."""
+    """STEPS of AdamW (lr 1e-2), each followed by the expert-bias update (loads summed over the processes);
+    each step's loss is the mean over `ranks` of their rows' losses (the single process runs every rank's
+    rows). Returns the losses, the first step's gradients and the final expert biases."""
     objective = MaskedDiffusionObjective(mask_token_id=MASK_ID, normalization="batch")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     losses, grads = [], None
@@ -60,8 +75,10 @@ def _train(model, ranks, sync_grads=None):
             grads = {name: _full(p.grad) for name, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
+        update_expert_bias(model)
         losses.append(total)
-    return losses, grads
+    biases = [layer.mlp.expert_bias.clone() for layer in model.model.layers if layer.mlp.expert_bias is not None]
+    return losses, grads, biases
 
 
 def _average_replicated_grads(model):
@@ -79,13 +96,13 @@ def _worker(rank, init_file, out_file):
     results = {}
     for layout in LAYOUTS:
         fsdp = "fsdp" in layout
-        model = parallelize_dlm(_model(), ep_mesh=mesh, dp_mesh=mesh if fsdp else None,
+        model = parallelize_dlm(_model(_router(layout)), ep_mesh=mesh, dp_mesh=mesh if fsdp else None,
                                 activation_checkpointing="checkpointing" in layout)
         local = model.model.layers[0].mlp.experts.gate_up_proj.to_local().shape[0]
-        losses, grads = _train(model, [rank], None if fsdp else _average_replicated_grads)
+        losses, grads, biases = _train(model, [rank], None if fsdp else _average_replicated_grads)
         for loss in losses:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        results[layout] = (losses, grads, local)
+        results[layout] = (losses, grads, local, biases)
     if rank == 0:
         torch.save(results, out_file)
     dist.barrier()
@@ -101,14 +118,14 @@ def distributed_results():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return _train(_model(), range(WORLD))
+def references():
+    return {router: _train(_model(router), range(WORLD)) for router in ROUTERS}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_expert_parallel_matches_single_process(distributed_results, reference, layout):
-    losses, grads, local_experts = distributed_results[layout]
-    ref_losses, ref_grads = reference
+def test_expert_parallel_matches_single_process(distributed_results, references, layout):
+    losses, grads, local_experts, biases = distributed_results[layout]
+    ref_losses, ref_grads, ref_biases = references[_router(layout)]
     assert local_experts == MOE["num_experts"] // WORLD  # each rank really holds half of the experts
     torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=0, atol=1e-5)
     assert grads.keys() == ref_grads.keys()
@@ -117,6 +134,11 @@ def test_expert_parallel_matches_single_process(distributed_results, reference, 
     expert_grad = ref_grads["model.layers.0.mlp.experts.gate_up_proj"]
     assert (expert_grad.flatten(1).abs().sum(1) > 0).all()  # every expert received tokens: the test has teeth
     assert ref_grads["model.layers.0.mlp.gate.weight"].abs().sum() > 0
+    assert len(biases) == len(ref_biases) == (2 if _router(layout) == "sigmoid" else 0)
+    for bias, ref_bias in zip(biases, ref_biases):
+        torch.testing.assert_close(bias, ref_bias, rtol=0, atol=1e-7)
+    if biases:
+        assert torch.stack(biases).abs().sum() > 0  # the updates moved some bias
 
 
 def test_expert_parallel_rejects_indivisible_experts():

@@ -160,8 +160,8 @@ def test_resume_pp2_checkpoint_with_pp1_equals_the_uninterrupted_run(pipeline_ru
         torch.testing.assert_close(torch.tensor([log[key] for log in resumed_logs]),
                                    torch.tensor([log[key] for log in logs[2:]]), rtol=1e-5, atol=1e-6, msg=key)
     expected = trainer.model.state_dict()
-    for name, tensor in resumed.model.state_dict().items():
-        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-5, msg=name)
+    for name, tensor in resumed.model.state_dict().items():  # tolerance: see test_pp2_trains_like_one_process
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=3e-5, msg=name)
 
 
 @pytest.mark.parametrize("options, field", [

@@ -213,10 +213,12 @@ class DLMServer:
                            "token)", "steps")
         longest = max(len(ids) for ids in prompts)
         if self.max_positions is not None and longest + canvas > self.max_positions:
-            param = "max_tokens" if longest < self.max_positions else ("messages" if body.__class__ is
-                                                                         ChatCompletionRequest else "prompt")
-            raise APIError(400, f"the prompt ({longest} tokens) + {canvas} new tokens exceed the model's "
-                           f"{self.max_positions} positions; lower max_tokens or shorten the prompt", param)
+            if longest >= self.max_positions:
+                param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+            else:  # max_tokens itself, or max_tokens rounded up to whole blocks
+                param = "max_tokens" if longest + max_tokens > self.max_positions else "block_length"
+            raise APIError(400, f"the prompt ({longest} tokens) + {canvas} new tokens (max_tokens={max_tokens} in "
+                           f"blocks of {block_length}) exceed the model's {self.max_positions} positions", param)
         overrides = {**body.generation_overrides(), "max_new_tokens": canvas, "block_length": block_length,
                      "steps": body.steps or canvas}
         choices = []

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .serving_utils import save_tiny_checkpoint
+from tests.utils import save_tiny_checkpoint
 
 pytest.importorskip("lm_eval")
 

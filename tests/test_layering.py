@@ -5,6 +5,7 @@ X` counts as an import of the module that defines X (the package's lazy export t
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import hf_dlm
@@ -124,3 +125,15 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
                                 (4, "hf_dlm.modeling.masks"), (5, "hf_dlm.serving.app")]
     problems = upward_imports([fake])
     assert len(problems) == 3 and all("modeling sits below" in p for p in problems), problems
+
+
+def test_files_named_in_the_library_and_readme_exist():
+    """Docstrings and README name real files (no `tests/test_serving_engine.py` after a rename), and no file
+    outside the repository (the team's notes are not shipped)."""
+    root = PACKAGE.parent
+    pattern = re.compile(r"\b((?:tests|benchmarks|examples|hf_dlm)/[A-Za-z0-9_./-]+\.(?:py|yaml|md|json))\b")
+    texts = {path: path.read_text() for path in [*_library_files(), root / "README.md"]}
+    missing = sorted({f"{path.relative_to(root)} names {name}" for path, text in texts.items()
+                      for name in pattern.findall(text) if not (root / name).exists()})
+    assert missing == []
+    assert [str(path.relative_to(root)) for path, text in texts.items() if "REFERENCE.md" in text] == []

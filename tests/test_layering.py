@@ -137,3 +137,17 @@ def test_files_named_in_the_library_and_readme_exist():
                       for name in pattern.findall(text) if not (root / name).exists()})
     assert missing == []
     assert [str(path.relative_to(root)) for path, text in texts.items() if "REFERENCE.md" in text] == []
+
+
+def test_no_test_imports_another_test_file_or_conftest():
+    """Shared helpers live in tests/utils.py; a test file imported as a module runs its fixtures' imports twice
+    and couples two tests' internals."""
+    tests = Path(__file__).parent
+    offenders = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}:{node.lineno} imports {name}" for name in names
+                          if name.rpartition(".")[2].startswith(("test_", "conftest"))]
+    assert offenders == []

@@ -77,6 +77,8 @@ def corrupted_model_inputs(objective, batch: dict, device, t_group: tuple | None
                                   None if t_group is None else t_group[1])
     model_inputs = {k: corrupted[k] for k in ("input_ids", "labels", "label_weights", "attention_mask")
                     if corrupted[k] is not None}
+    if corrupted.get("suppressed_token_id") is not None:
+        model_inputs["suppressed_token_id"] = corrupted["suppressed_token_id"]  # MDLM's SUBS (subs=True)
     if batch.get("position_ids") is not None:
         model_inputs["position_ids"] = take("position_ids")
     if attention_mode == "block" and objective.mode == "diffusion":
@@ -348,7 +350,8 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
                 batch.pop(DATA_STATE_KEY, None)
                 result = elbo_nll(model, batch["input_ids"], batch.get("attention_mask"), batch.get("prompt_mask"),
                                   mc_num=self.args.eval_mc_num, seed=self.args.eval_seed + step,
-                                  batch_size=batch["input_ids"].shape[0], position_ids=batch.get("position_ids"))
+                                  batch_size=batch["input_ids"].shape[0], position_ids=batch.get("position_ids"),
+                                  subs=self.objective.subs)
                 nll_sum += result["per_sequence"].sum().to(nll_sum.device)
                 num_tokens += result["num_tokens"]
         model.train(was_training)

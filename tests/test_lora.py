@@ -7,9 +7,8 @@ peft = pytest.importorskip("peft")  # the `trl` extra; CI installs it through th
 
 from hf_dlm.training.lora import (DLM_LORA_TARGET_MODULES, dlm_lora_config, get_dlm_peft_model,  # noqa: E402
                                   register_peft_defaults)
-from tests.conftest import MASK_ID, VOCAB, tiny_model  # noqa: E402
-from tests.toy_tasks import one_thread  # noqa: E402,F401
-from tests.trainer_utils import make_args, random_dataset  # noqa: E402
+from tests.utils import MASK_ID, VOCAB, tiny_model  # noqa: E402
+from tests.utils import make_args, random_dataset  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from .serving_utils import free_port, save_tiny_checkpoint
+from tests.utils import free_port, save_tiny_checkpoint
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")

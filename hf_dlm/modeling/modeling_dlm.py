@@ -259,17 +259,18 @@ class DLMPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save, plus self-contained remote code, `auto_map` and a model card
-        (`hf_dlm.hub.publish`), so the folder loads with `trust_remote_code=True` without hf-dlm."""
-        from ..hub.publish import save_with_remote_code
+        (`hf_dlm.hub.publish`, reached through the `utils.publishing` hook: hub/ sits above modeling), so the
+        folder loads with `trust_remote_code=True` without hf-dlm."""
+        from ..utils.publishing import publisher
 
-        return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
+        return publisher().save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """transformers' arguments plus `tokenizer`, `base_model`, `training_details`: one commit holding the
         weights, the generated remote code and a full model card (`hf_dlm.hub.publish.push_to_hub`)."""
-        from ..hub.publish import push_to_hub
+        from ..utils.publishing import publisher
 
-        return push_to_hub(self, repo_id, **kwargs)
+        return publisher().push_to_hub(self, repo_id, **kwargs)
 
 
 @dataclass

@@ -426,10 +426,10 @@ class DLMTrainer(PipelineTrainingMixin, Trainer):
         super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save and self._staging_root is None:  # final models, not every checkpoint
-            from ..hub.model_card import write_info, write_model_card
+            from ..utils.publishing import publisher  # hub/ sits above training
 
-            write_info(output_dir, training=self.training_details())
-            write_model_card(output_dir, self.accelerator.unwrap_model(self.model).config)
+            publisher().write_final_card(output_dir, self.accelerator.unwrap_model(self.model).config,
+                                         self.training_details())
 
     # -- device-mesh checkpoints (torch.distributed.checkpoint; hf_dlm.parallel.trainer_parallel) ---------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -85,11 +85,9 @@ class DiffusionBatchMixin:
         compile / low-precision residual alone, in torchtitan's order (hf_dlm.parallel.parallelize)."""
         self._parallel = setup_parallel_training(model, args)
         if self._parallel is None and (args.compile_blocks or args.fp8_recipe or args.low_precision_residual):
-            from ..parallel.parallelize import parallelize_dlm
+            from ..parallel.parallelize import ParallelOptions, parallelize_dlm
 
-            parallelize_dlm(model, float8_recipe=args.fp8_recipe, float8_fast_accum=args.fp8_fast_accum,
-                            float8_min_features=args.fp8_min_features,
-                            low_precision_residual=args.low_precision_residual, compile=args.compile_blocks)
+            parallelize_dlm(model, ParallelOptions.from_args(args))
 
     def _finish_diffusion_setup(self, model, objective) -> None:
         """After the parent's __init__: accelerate's hooks for a mesh, MoE balancing, the objective."""

@@ -57,14 +57,19 @@ class DLMSFTConfig(ObjectiveArguments, DiffusionTrainingFields, ParallelArgument
                           "(the sampler's fixed-length canvas needs this); 'exclude' leaves padding out of "
                           "attention and loss (dllm / NeMo). Packed rows always exclude their padding."},
     )
-    gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Recompute activations in the backward (parent default: True)."})
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Recompute activations in the backward (parent default: True; here False). "
+                                        "transformers >= 5.24 spells it activation_checkpointing."})
 
     def __post_init__(self):
         self._fold_objective_overrides()
         self._validate_objective_fields()
         self._validate_diffusion_fields()
         self._validate_layout_fields()
+        if self.gradient_checkpointing is None:  # the new name when this transformers has it: no FutureWarning
+            name = "activation_checkpointing" if hasattr(self, "activation_checkpointing") else "gradient_checkpointing"
+            if getattr(self, name) is None:
+                setattr(self, name, False)
         super().__post_init__()
         if self.padding_policy not in PADDING_POLICIES:
             self._field_error("padding_policy", f"one of {PADDING_POLICIES}")

@@ -16,6 +16,7 @@ the chat template, packing); these hooks change:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,10 @@ class DLMSFTTrainer(DiffusionBatchMixin, CheckpointingMixin, SFTTrainer):
         if hasattr(inner, "padding_free"):  # trl's DataCollatorForLanguageModeling: keep packed rows as rows
             inner.padding_free = False
             inner.return_position_ids = args.packing
+        if self._parallel is not None and hasattr(inner, "pad_to_multiple_of"):
+            # sequence-parallel norms split every sequence over tp ranks, context parallel over cp ranks
+            multiple = math.lcm(inner.pad_to_multiple_of or 1, self._parallel.dims.tp * self._parallel.dims.cp)
+            inner.pad_to_multiple_of = None if multiple == 1 else multiple
         eos = self._tokenizer.eos_token_id
         if eos is None:
             raise ValueError("DLMSFTTrainer needs a tokenizer with an EOS token (padding and the sampler's stop)")

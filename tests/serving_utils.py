@@ -15,11 +15,17 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{%
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def save_tiny_checkpoint(path):
+def tiny_served_model(**config):
+    """(model, tokenizer): a tiny DLM over a BPE tokenizer with a chat template; `config` overrides DLMConfig."""
     tokenizer = train_bpe_tokenizer(TEXTS, vocab_size=300)
     tokenizer.chat_template = CHAT_TEMPLATE
     model = tiny_model("sdpa", vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **config)
+    return model, tokenizer
+
+
+def save_tiny_checkpoint(path, **config):
+    model, tokenizer = tiny_served_model(**config)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model, tokenizer

@@ -193,7 +193,7 @@ def test_plain_trl_sft_trainer_refuses_a_dlm(tmp_path, tokenizer):
 
 def grpo_args(tmp_path, **overrides):
     options = common(tmp_path, max_steps=40, per_device_train_batch_size=64, num_generations=8,
-                     max_completion_length=6, diffusion_steps=6, learning_rate=1e-3, temperature=1.0,
+                     max_completion_length=6, generation_kwargs={"steps": 6}, learning_rate=1e-3, temperature=1.0,
                      logp_estimator="coupled", beta=0.0)
     options.update(overrides)
     return DiffuGRPOConfig(**options)
@@ -274,7 +274,8 @@ def test_grpo_with_lora_and_mc_elbo(tmp_path, tokenizer):
 
     model = toy_model(tokenizer)
     args = grpo_args(tmp_path, max_steps=2, per_device_train_batch_size=8, num_generations=4, beta=0.04,
-                     logp_estimator="mc_elbo", mc_num=2, threshold=0.9, block_length=3, generation_cache="dual")
+                     logp_estimator="mc_elbo", mc_num=2,
+                     generation_kwargs={"threshold": 0.9, "block_length": 3, "cache": "dual"})
     trainer = DiffuGRPOTrainer(model=model, reward_funcs=reversal_reward, args=args,
                                train_dataset=prompt_dataset(8, 4), processing_class=tokenizer,
                                peft_config=LoraConfig(r=4, lora_alpha=8))  # default targets: the DLM's projections

@@ -52,8 +52,8 @@ def test_trainer_and_evaluate_on_packed_windows_use_position_ids(tmp_path):
 
     metrics = trainer.evaluate(TokenWindowDataset(ids, positions))
     trained = trainer.model.eval()
-    bound = elbo_nll(trained, ids, mc_num=2, seed=0, batch_size=N, position_ids=positions)
-    plain = elbo_nll(trained, ids, mc_num=2, seed=0, batch_size=N)
+    bound = elbo_nll(trained, ids, mc_num=2, seed=0, batch_size=N, position_ids=positions, subs=True)
+    plain = elbo_nll(trained, ids, mc_num=2, seed=0, batch_size=N, subs=True)
     assert metrics["eval_nll_per_token"] == pytest.approx(float(bound["per_sequence"].sum() / bound["num_tokens"]),
                                                           rel=1e-5)
     assert metrics["eval_nll_per_token"] != pytest.approx(float(plain["per_sequence"].sum() / plain["num_tokens"]),
@@ -74,7 +74,8 @@ def test_block_diffusion_training_through_the_trainer_is_the_two_stream_objectiv
     keys = torch.tensor(trainer.sample_indices[:N])
     inputs = MaskedDiffusionObjective.from_model_config(initial.config, preset="mdlm").corrupt(ids[keys % N], keys)
     with torch.no_grad():  # without the clean stream the loss is another number: the comparison has teeth
-        one_stream = initial(**{k: inputs[k] for k in ("input_ids", "labels", "label_weights", "num_items_in_batch")})
+        one_stream = initial(**{k: inputs[k] for k in ("input_ids", "labels", "label_weights", "num_items_in_batch",
+                                                 "suppressed_token_id")})
     assert not torch.isclose(one_stream.loss, expected)
 
 

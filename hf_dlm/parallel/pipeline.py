@@ -137,6 +137,7 @@ class DLMPipelineStageModule(nn.Module):
         self.router_values: list[torch.Tensor] = []  # (aux, z) of this stage's layers / total_moe_layers, per forward
         self.compile_loss_head = getattr(model, "compile_loss_head", False)
         self.loss_grad_in_forward = getattr(model, "loss_grad_in_forward", True)
+        self.suppressed_token_id = None  # the objective's subs=True (DLMPipeline.step sets it)
 
     def forward(self, inputs, attention_mask=None, position_ids=None, labels=None, label_weights=None,
                 clean_input_ids=None):
@@ -164,7 +165,8 @@ class DLMPipelineStageModule(nn.Module):
         hidden_states = self.model.norm(hidden_states[:, : labels.shape[1]])
         loss, _ = masked_lm_loss(hidden_states, self.lm_head, labels, label_weights, self.loss_normaliser,
                                  self.config.loss_chunk_size, compiled=self.compile_loss_head,
-                                 grad_in_forward=self.loss_grad_in_forward)
+                                 grad_in_forward=self.loss_grad_in_forward,
+                                 suppressed_token_id=self.suppressed_token_id)
         return loss.reshape(1)  # (1,): the schedule concatenates the micro-batches' outputs
 
     def _with_router_losses(self, hidden_states):
@@ -313,8 +315,11 @@ class DLMPipeline:
         all of the same shapes, the same on every rank of the pipeline. loss_normaliser: the loss's divisor
         (the global number of supervised items, divided by the data-parallel size when gradients are averaged
         over it). Returns the summed loss on the rank of the last stage, None elsewhere."""
+        # a Python int, not a tensor the schedule could split: the same for every micro-batch
+        suppressed = [micro_batch.pop("suppressed_token_id", None) for micro_batch in micro_batches]
         batch = _concatenate(micro_batches)
         for stage in self.stages:
+            stage.submod.suppressed_token_id = suppressed[0]
             stage.submod.loss_normaliser = torch.as_tensor(loss_normaliser, device=self.device)
             stage.submod.router_loss_weight = 1.0 / len(micro_batches)
             stage.submod.router_values = []

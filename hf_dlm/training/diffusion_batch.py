@@ -56,6 +56,8 @@ def corrupted_model_inputs(objective, batch: dict, device, t_group: tuple | None
                                   None if t_group is None else t_group[1])
     model_inputs = {k: corrupted[k] for k in ("input_ids", "labels", "label_weights", "attention_mask")
                     if corrupted[k] is not None}
+    if corrupted.get("suppressed_token_id") is not None:
+        model_inputs["suppressed_token_id"] = corrupted["suppressed_token_id"]  # MDLM's SUBS (subs=True)
     if batch.get("position_ids") is not None:
         model_inputs["position_ids"] = take("position_ids")
     if attention_mode == "block" and objective.mode == "diffusion":

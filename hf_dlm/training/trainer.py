@@ -81,7 +81,8 @@ class DLMTrainer(DiffusionBatchMixin, CheckpointingMixin, PipelineTrainingMixin,
                 batch.pop(DATA_STATE_KEY, None)
                 result = elbo_nll(model, batch["input_ids"], batch.get("attention_mask"), batch.get("prompt_mask"),
                                   mc_num=self.args.eval_mc_num, seed=self.args.eval_seed + step,
-                                  batch_size=batch["input_ids"].shape[0], position_ids=batch.get("position_ids"))
+                                  batch_size=batch["input_ids"].shape[0], position_ids=batch.get("position_ids"),
+                                  subs=self.objective.subs)
                 nll_sum += result["per_sequence"].sum().to(nll_sum.device)
                 num_tokens += result["num_tokens"]
         model.train(was_training)

@@ -234,7 +234,9 @@ def make_trainer(output_dir, dataset=None, model_seed: int = 0, trainer_class=Re
 
 
 def flat_params(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    """Every parameter in one vector (sharded DTensors gathered)."""
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                      for p in model.parameters()])
 
 
 class StopAfter(TrainerCallback):

@@ -1,7 +1,7 @@
 """hf-dlm: diffusion language models on the Hugging Face stack.
 
-Importing the package registers the DLM family (`model_type = "dlm"`) with `AutoConfig`, `AutoModel`
-and `AutoModelForMaskedLM`. Every other public name (`from hf_dlm import DLMTrainer`) is imported on
+Importing the package registers the DLM family (`model_type = "dlm"`) and the published families
+(`hf_dlm.modeling.families`) with `AutoConfig`, `AutoModel` and `AutoModelForMaskedLM`. Every other public name (`from hf_dlm import DLMTrainer`) is imported on
 first access, so `import hf_dlm` never imports trl, peft, datasets or kernel packages.
 """
 
@@ -18,6 +18,9 @@ def _register_auto_classes() -> None:
     AutoConfig.register(DLMConfig.model_type, DLMConfig, exist_ok=True)
     AutoModel.register(DLMConfig, DLMModel, exist_ok=True)
     AutoModelForMaskedLM.register(DLMConfig, DLMForDiffusionLM, exist_ok=True)
+    from .modeling.families import register_families
+
+    register_families()  # llada, Dream, sdar, sdar_moe, Fast_dLLM_Qwen, lladamoe, llada2_moe
 
 
 def _hub_publisher():

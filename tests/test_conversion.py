@@ -319,7 +319,9 @@ def test_foreign_megatron_args_are_read(tmp_path):
     back.config._attn_implementation = model.config._attn_implementation
     ids = torch.randint(0, 99, (1, 8))
     with torch.no_grad():
-        torch.testing.assert_close(back(input_ids=ids).logits, model(input_ids=ids).logits, atol=0, rtol=0)
+        # a wrong mapping (a swapped or missing tensor) moves logits by O(1); a few fp32 ulps are allowed
+        # because the converted tensors sit at other alignments, where CPU GEMMs take other SIMD paths
+        torch.testing.assert_close(back(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6, rtol=0)
 
 
 def test_unknown_target_is_refused_before_loading(tmp_path):

@@ -33,7 +33,8 @@ LOAD_WITHOUT_HF_DLM = textwrap.dedent("""
     again = AutoModelForMaskedLM.from_pretrained(sys.argv[3] + ".resaved", trust_remote_code=True,
                                                  attn_implementation="eager").eval()
     with torch.no_grad():
-        assert torch.equal(again(input_ids=ids).logits, logits)
+        # a few fp32 ulps allowed: reloaded weights sit at other alignments (other CPU SIMD paths)
+        torch.testing.assert_close(again(input_ids=ids).logits, logits, rtol=0, atol=1e-6)
     torch.save({"logits": logits, "module": type(model).__module__, "generated": generated}, sys.argv[3])
     try:
         import hf_dlm  # noqa: F401

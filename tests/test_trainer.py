@@ -199,7 +199,9 @@ def test_compile_blocks_and_fp8_recipe_go_through_parallelize(tmp_path, monkeypa
     from hf_dlm.parallel import parallelize
 
     calls = []
-    monkeypatch.setattr(parallelize, "parallelize_dlm", lambda model, **kw: calls.append(kw) or model)
+    names = ("float8_recipe", "float8_fast_accum", "float8_min_features", "low_precision_residual", "compile")
+    monkeypatch.setattr(parallelize, "parallelize_dlm",
+                        lambda model, options: calls.append({k: getattr(options, k) for k in names}) or model)
     make_trainer(tmp_path / "fp8", fp8_recipe="rowwise")
     make_trainer(tmp_path / "fp8-fast", fp8_recipe="tensorwise", fp8_fast_accum=True)
     make_trainer(tmp_path / "residual", bf16=True, low_precision_residual=True)

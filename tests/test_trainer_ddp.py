@@ -46,7 +46,10 @@ def test_ddp_two_cpu_ranks_train_like_one_process(tmp_path):
 
     for record in ranks:  # the stream: 2 steps + resume + 2 steps == 4 steps, on each rank
         stream = record["stream"]
-        assert stream["split_indices"] == stream["straight_indices"] and stream["params_equal"]
+        assert stream["split_indices"] == stream["straight_indices"]
+        # 1e-6, not bit equality: the resumed weights come back from safetensors (mmap'd, other alignment),
+        # where CPU GEMMs may take another SIMD path (a few fp32 ulps); a lost optimizer step moves them ~lr
+        assert stream["params_max_diff"] <= 1e-6
         torch.testing.assert_close(torch.tensor(stream["split_losses"]), torch.tensor(stream["straight_losses"]),
                                    rtol=0, atol=1e-6)
     assert not set(ranks[0]["stream"]["straight_indices"]) & set(ranks[1]["stream"]["straight_indices"])

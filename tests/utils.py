@@ -295,7 +295,7 @@ def sft_one_step(out_dir, tokenizer, micro, accumulation, normalization="token",
     trainer = DLMSFTTrainer(model=model, args=sft_args(
         out_dir, max_steps=1, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
         optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0,
-        padding_policy="exclude", objective_overrides={"normalization": normalization, "t_sampling": t_sampling},
+        padding_policy="exclude", normalization=normalization, t_sampling=t_sampling,
         **extra), train_dataset=sft_dataset(64, 3), processing_class=tokenizer)
     trainer.train()
     return {name: p.detach().clone() for name, p in model.named_parameters()}, trainer

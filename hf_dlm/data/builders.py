@@ -122,7 +122,7 @@ def _indexed_data(options: dict, model_options: dict) -> dict:
 
 def _sft_data(options: dict, model_options: dict) -> dict:
     """Chat JSONL (one {"messages": [...]} per line) through the tokenizer's chat template; prompt tokens
-    are never noised; `padding` 'eos' (LLaDA: train on EOS padding) or 'exclude'."""
+    are never noised; `padding_policy` 'eos' (LLaDA: train on EOS padding) or 'exclude'."""
     import json
 
     from .sft_data import SFTDataConfig, SFTDataset
@@ -146,7 +146,8 @@ def _sft_data(options: dict, model_options: dict) -> dict:
     if not rows[0]:
         raise ConfigError("data.train_file must name a JSONL file with at least one conversation")
     try:
-        config = SFTDataConfig(max_length=options.get("max_length", 1024), padding=options.get("padding", "eos"))
+        padding = {key: options[key] for key in ("padding_policy", "padding") if key in options}  # padding: deprecated
+        config = SFTDataConfig(max_length=options.get("max_length", 1024), **padding)
         train = SFTDataset(rows[0], tokenizer, config)
         return {"train": train, "eval": SFTDataset(rows[1], tokenizer, config) if rows[1] else None,
                 "tokenizer": tokenizer}
@@ -159,7 +160,7 @@ DATA_BUILDERS: dict[str, Callable[[dict, dict], dict]] = {
 _DATA_OPTIONS = {"corpus": {"seq_len", "vocab_size", "eval_windows", "max_files", "packed_positions"},
                  "random": {"seq_len", "num_samples", "eval_windows", "seed"},
                  "indexed": {"prefixes", "weights", "tokenizer", "seq_len", "seed", "eval_prefix", "eval_windows"},
-                 "sft": {"train_file", "eval_file", "tokenizer", "max_length", "padding"}}
+                 "sft": {"train_file", "eval_file", "tokenizer", "max_length", "padding_policy", "padding"}}
 
 
 def register_data_builder(kind: str, builder: Callable[[dict, dict], dict], options: set[str] | None = None) -> None:

@@ -23,12 +23,14 @@ import re
 import torch
 
 from ..data.builders import DATA_BUILDERS, build_data, register_data_builder  # noqa: F401  (the YAML's data.kind)
+from ..utils.checkpoint_files import CheckpointFileError, check_checkpoint_files
 from ..utils.errors import ConfigError
 from ..utils.import_utils import require
 from ..utils.typecheck import conforms, expected, field_types
 
 SECTIONS = ("model", "data", "training")
 MODEL_KEYS = ("name_or_path", "config", "attn_implementation", "dtype")
+DEFAULT_OUTPUT_DIR = "outputs/pretrain"
 
 
 @functools.lru_cache(maxsize=1)
@@ -171,7 +173,7 @@ def build_training_args(training: dict, path: str = "config"):
             value = "true" if value else None  # `resume_from_checkpoint: true`: the last checkpoint
         _check_field(path, f"training.{name}", value, object if annotation is None else annotation)
         options[name] = value
-    options.setdefault("output_dir", "outputs/pretrain")
+    options.setdefault("output_dir", DEFAULT_OUTPUT_DIR)
     try:
         return DLMTrainingArguments(**options)
     except (TypeError, ValueError) as error:
@@ -222,14 +224,43 @@ def build_trainer(config: dict, path: str = "config"):
     return trainer, data["tokenizer"]
 
 
+def check_resume(training: dict, path: str = "config") -> str | None:
+    """The checkpoint to resume from (None: a fresh run), decided on every rank from the files alone, so a
+    refusal is the same one line on every rank of a launch and comes before any collective: an output_dir that
+    already holds checkpoints without resume_from_checkpoint, a resume with nothing to resume, or a checkpoint
+    file that cannot be read (named, with the previous checkpoint to fall back to)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    output_dir = training.get("output_dir", DEFAULT_OUTPUT_DIR)
+    resume = training.get("resume_from_checkpoint")
+    if isinstance(resume, str) and resume.lower() in ("true", "last"):
+        resume = True
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if not resume:
+        if last is not None and not training.get("overwrite_output_dir"):
+            raise ConfigError(f"{path}: training.output_dir {output_dir!r} already holds {os.path.basename(last)}: "
+                              "--set training.resume_from_checkpoint=true to continue it, or another output_dir "
+                              "(or training.overwrite_output_dir=true) for a new run", field="training.output_dir",
+                              value=output_dir)
+        return None
+    checkpoint = last if resume is True else resume
+    if checkpoint is None or not os.path.isdir(checkpoint):
+        where = f"{output_dir!r} holds no checkpoint" if resume is True else f"{resume!r} is not a checkpoint folder"
+        raise ConfigError(f"{path}: training.resume_from_checkpoint: {where}", field="training.resume_from_checkpoint",
+                          value=resume)
+    try:
+        check_checkpoint_files(checkpoint, "--set training.resume_from_checkpoint")
+    except CheckpointFileError as error:
+        raise ConfigError(str(error), field="training.resume_from_checkpoint", value=error.field) from None
+    return checkpoint
+
+
 def run_pretraining(path: str, overrides: list[str] | None = None) -> dict:
     """Train, evaluate (if there is an eval set) and save the final model; returns the metrics."""
     config = load_config(path, overrides)
+    resume = check_resume(config.get("training", {}), path)  # before any data is built or collective is run
     trainer, _ = build_trainer(config, path)
-    resume = trainer.args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() in ("true", "last"):
-        resume = True
-    result = trainer.train(resume_from_checkpoint=resume or None)
+    result = trainer.train(resume_from_checkpoint=resume)
     metrics = dict(result.metrics, global_step=result.global_step)
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hf_dlm import MaskedDiffusionObjective
 from hf_dlm.diffusion.noise import hashed_uniform
 
-from .conftest import MASK_ID, VOCAB, tiny_model
+from tests.utils import MASK_ID, VOCAB, tiny_model
 
 B, L = 4, 12
 IDS = torch.randint(0, VOCAB - 2, (B, L), generator=torch.Generator().manual_seed(1))

@@ -10,7 +10,7 @@ import torch
 
 from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
 
-from .serving_utils import ThreadedServer, tiny_served_model
+from tests.utils import ThreadedServer, tiny_served_model
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -182,7 +182,7 @@ def test_field_mapping_reaches_the_sampler(server):
 
 
 def test_chat_without_a_template_is_400_naming_the_fix(server):
-    from .serving_utils import CHAT_TEMPLATE
+    from tests.utils import SERVING_CHAT_TEMPLATE as CHAT_TEMPLATE
 
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     tokenizer, settings = server.tokenizer, server.app_server.settings

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from .serving_utils import free_port, save_tiny_checkpoint, wait_until_serving
+from tests.utils import free_port, save_tiny_checkpoint, wait_until_serving
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")

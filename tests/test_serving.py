@@ -15,8 +15,7 @@ import torch
 
 from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
 
-from .conftest import tiny_model
-from .serving_utils import ThreadedServer, free_port, save_tiny_checkpoint, wait_until_serving
+from tests.utils import ThreadedServer, free_port, save_tiny_checkpoint, tiny_model, wait_until_serving
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")

@@ -8,7 +8,7 @@ random generator, exactly as `model.generate` would decode it alone. One `step()
    the longest canvas (the model derives positions from the attention mask, so padding shifts nothing),
    and sends only each row's current block through the LM head (cached rows: one forward for those at
    a block start, one for the windows of the others; a row with `cfg_scale` brings its unconditional copy);
-3. commits tokens per row with the sampler's own arithmetic (`generation_sampling`: LLaDA budgets,
+3. commits tokens per row with the sampler's own arithmetic (`generation/sampling.py`: LLaDA budgets,
    float64 Gumbel-max, confidence, Fast-dLLM threshold);
 4. at a row's block boundary: reports the committed block (streaming), applies `stop_on_eos` and the
    caller's stop check; a finished row leaves the batch at once.
@@ -16,7 +16,7 @@ random generator, exactly as `model.generate` would decode it alone. One `step()
 Why hand-written: `DiffusionSampler.run` decodes a fixed batch that starts together; a server needs
 rows that arrive and leave at different times with different settings, which no library offers for
 diffusion LMs. The per-row result equals `model.generate(prompt, generator=Generator().manual_seed(seed))`
-(cache='none'; tests/test_serving_engine.py checks it).
+(cache='none'; tests/test_serving.py checks it).
 
 The `cache` knob: Fast-dLLM's prefix / dual caches of bidirectional models run per row (row_cache.py),
 with `model.generate(cache=...)`'s semantics (approximate, as Fast-dLLM's); for attention_mode

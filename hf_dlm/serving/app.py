@@ -39,6 +39,7 @@ class ServerSettings:
     max_output_tokens: int = 1024  # larger max_tokens: 400
     default_max_tokens: int = 64  # max_tokens of a request without one
     max_sequences: int = 64  # most sequences (prompts x n) in one request
+    max_body_bytes: int = 4 * 2**20  # larger request bodies: 413, unread
     api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>` (else 401)
     drain_timeout: float = 30.0  # SIGTERM: seconds open requests may still run before they are answered 503
     chat_template: str | None = None  # a Jinja chat template used instead of the tokenizer's own
@@ -133,7 +134,8 @@ class DLMServer:
 
     async def handle(self, body, request: Request, chat: bool):
         self.check_engine()
-        loop, checked = asyncio.get_running_loop(), self.check(body)
+        # tokenizing and templating take a worker thread: a long prompt must not stall the other requests
+        loop, checked = asyncio.get_running_loop(), await asyncio.to_thread(self.check, body)
         pairs = zip((ids for ids in checked.prompts for _ in range(body.n)), checked.params)
         choices = [_Choice(self, ids, params, checked.max_tokens, body.stop_list(), loop, index)
                    for index, (ids, params) in enumerate(pairs)]
@@ -274,6 +276,8 @@ class DLMServer:
                stats["first_block_seconds_sum"])
         metric("hf_dlm_time_to_first_block_seconds_count", "counter", "sequences with a first block",
                stats["first_block_count"])
+        metric("hf_dlm_engine_up", "gauge", "0 once the engine thread stopped on its own (the server answers 503)",
+               int(self.engine_failure is None))
         metric("hf_dlm_api_requests_accepted_total", "counter", "API calls queued", self.accepted)
         metric("hf_dlm_api_requests_completed_total", "counter", "API calls answered in full", self.completed)
         for (path, status), count in sorted(self.http_status.items()):
@@ -309,10 +313,14 @@ def create_app(engine: ContinuousBatchingEngine, tokenizer, settings: ServerSett
 
     @app.middleware("http")
     async def check_key_and_count(request: Request, call_next):
-        key = server.settings.api_key
+        key, limit = server.settings.api_key, server.settings.max_body_bytes
+        size = request.headers.get("content-length", "0")
         if key and request.url.path.startswith("/v1/") and request.headers.get("authorization") != f"Bearer {key}":
             response = _error_response(401, "missing or wrong API key (Authorization: Bearer ...)", None,
                                        "authentication_error")
+        elif size.isdigit() and int(size) > limit:  # refused before the body is read and parsed
+            response = _error_response(413, f"the body has {size} bytes; this server takes at most {limit}", None,
+                                       "invalid_request_error")
         else:
             response = await call_next(request)
         server.http_status[(request.url.path, response.status_code)] += 1

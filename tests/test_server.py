@@ -301,3 +301,26 @@ def test_a_dead_engine_thread_fails_open_requests_and_health_says_so():
         assert any(re.search("ERROR: the generation engine stopped", line) for line in running.logged)
     finally:
         running.stop()
+
+
+def test_serve_cli_options_reach_the_server(tmp_path, monkeypatch):
+    # --served-model-name NAME... (the first named in responses, all accepted), --chat-template, --drain-timeout
+    import argparse
+
+    from hf_dlm.commands import serve as serve_command
+    from hf_dlm.serving import app as app_module
+    from tests.utils import SERVING_CHAT_TEMPLATE, save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path / "model")
+    (tmp_path / "template.jinja").write_text(SERVING_CHAT_TEMPLATE)
+    parser = argparse.ArgumentParser()
+    serve_command.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "model"), "--device", "cpu", "--served-model-name", "a", "b",
+                              "--chat-template", str(tmp_path / "template.jinja"), "--drain-timeout", "2.5"])
+    served = []
+    monkeypatch.setattr(app_module, "serve", lambda app, **options: served.append((app, options)))
+    assert serve_command.run(args) == 0
+    (app, options), = served
+    settings = app.state.server.settings
+    assert settings.model_names == ("a", "b") and settings.drain_timeout == 2.5
+    assert settings.chat_template == SERVING_CHAT_TEMPLATE and options["port"] == 8000

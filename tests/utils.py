@@ -353,3 +353,17 @@ class ThreadedServer:
         self.server.should_exit = True
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the server did not drain in time"
+
+
+def wait_until_serving(process, url: str, timeout: float = 120):
+    """Wait for a server subprocess to answer /health; fail if it exits or takes longer than `timeout`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)

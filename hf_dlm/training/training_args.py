@@ -48,6 +48,11 @@ class DLMTrainingArguments(ParallelArguments, TrainingArguments):  # device-mesh
         metadata={"help": "Probability that a sample is cut to a random length in [2, L] (LLaDA/MegaDLMs use 0.01). "
                           "None: the preset's."},
     )
+    subs: bool | None = field(
+        default=None,
+        metadata={"help": "MDLM's SUBS parameterisation: [MASK] removed from the loss's softmax (and from the ELBO "
+                          "evaluation). None: the preset's (True for mdlm)."},
+    )
     objective_seed: int | None = field(
         default=None,
         metadata={"help": "Seed of the diffusion noise, keyed with each sample's global index so the noise does not "
@@ -211,7 +216,7 @@ class DLMTrainingArguments(ParallelArguments, TrainingArguments):  # device-mesh
     def objective_overrides(self) -> dict:
         """The objective fields set explicitly here (None means: keep the preset's value)."""
         names = ("schedule", "weighting", "t_sampling", "eps", "normalization", "at_least_one_masked",
-                 "random_length_prob")
+                 "random_length_prob", "subs")
         overrides = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         overrides["seed"] = self.seed if self.objective_seed is None else self.objective_seed
         return overrides

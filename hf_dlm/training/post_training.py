@@ -164,7 +164,13 @@ def prepare_peft_base(script, model, tokenizer, output_dir: str) -> None:
 
 
 def save_outputs(script, trainer, tokenizer, output_dir: str) -> None:
-    """The trained model (or adapter) and the tokenizer; an adapter loads with peft's AutoPeftModel."""
+    """The trained model (or adapter) and the tokenizer; an adapter loads with peft's AutoPeftModel. On the toy task,
+    also the greedy toy reward of held-out prompts (the number the example's README lines quote)."""
+    if script.dataset_name == "toy-reverse" and trainer.args.process_index == 0:
+        result = toy_greedy_eval(trainer.accelerator.unwrap_model(trainer.model), tokenizer, n=256)
+        trainer.log({"toy_greedy_reward": result["reward"], "toy_right_length": result["right_length"]})
+        print(f"toy-reverse, 256 held-out prompts decoded greedily: reward {result['reward']:.3f}, answers of the "
+              f"right length {result['right_length']:.1%}")
     trainer.save_model(output_dir)
     tokenizer.save_pretrained(output_dir)
     if script.use_peft:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .serving_utils import save_tiny_checkpoint
+from tests.utils import save_tiny_checkpoint
 
 pytest.importorskip("lm_eval")
 
@@ -225,7 +225,7 @@ def test_iterative_greedy_check_is_llada_suffix_greedy_prediction(seed):
     lengths and right padding; targets include each model's own iterative decode (greedy) and perturbations."""
     from hf_dlm.evaluation.lm_eval_model import DLMEvalHarness
 
-    from .conftest import MASK_ID, VOCAB, tiny_model
+    from tests.utils import MASK_ID, VOCAB, tiny_model
 
     model = tiny_model(seed=seed)
     tokenizer = type("Tok", (), {"eos_token_id": 0, "bos_token_id": None, "pad_token_id": 0})()

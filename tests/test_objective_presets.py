@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hf_dlm import MaskedDiffusionObjective
 from hf_dlm.diffusion.noise import hashed_uniform
 
-from .conftest import MASK_ID, VOCAB, tiny_model
+from tests.utils import MASK_ID, VOCAB, tiny_model
 
 B, L = 4, 12
 IDS = torch.randint(0, VOCAB - 2, (B, L), generator=torch.Generator().manual_seed(1))
@@ -312,7 +312,7 @@ def test_every_preset_names_its_source():
 
 def test_trainers_pass_subs_to_the_model():
     """The trainers' model inputs (`corrupted_model_inputs`) carry SUBS: their loss equals the objective's."""
-    from hf_dlm.training.trainer import corrupted_model_inputs
+    from hf_dlm.training.diffusion_batch import corrupted_model_inputs
 
     model = _large_mask_logit_model()
     objective = MaskedDiffusionObjective.from_preset("mdlm", mask_token_id=MASK_ID)

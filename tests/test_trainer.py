@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_dlm.training.trainer import DATA_STATE_NAME, STAGING_DIR
-from tests.conftest import VOCAB
-from tests.trainer_utils import SEQ_LEN, StopAfter, flat_params, make_trainer, random_dataset, window_stream
+from tests.utils import VOCAB
+from tests.utils import SEQ_LEN, StopAfter, flat_params, make_trainer, random_dataset, window_stream
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +199,9 @@ def test_compile_blocks_and_fp8_recipe_go_through_parallelize(tmp_path, monkeypa
     from hf_dlm.parallel import parallelize
 
     calls = []
-    monkeypatch.setattr(parallelize, "parallelize_dlm", lambda model, **kw: calls.append(kw) or model)
+    names = ("float8_recipe", "float8_fast_accum", "float8_min_features", "low_precision_residual", "compile")
+    monkeypatch.setattr(parallelize, "parallelize_dlm",
+                        lambda model, options: calls.append({k: getattr(options, k) for k in names}) or model)
     make_trainer(tmp_path / "fp8", fp8_recipe="rowwise")
     make_trainer(tmp_path / "fp8-fast", fp8_recipe="tensorwise", fp8_fast_accum=True)
     make_trainer(tmp_path / "residual", bf16=True, low_precision_residual=True)

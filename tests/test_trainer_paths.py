@@ -10,9 +10,8 @@ from hf_dlm import MaskedDiffusionObjective
 from hf_dlm.data.memory_dataset import TokenWindowDataset, pack_documents
 from hf_dlm.diffusion.elbo import elbo_nll
 from hf_dlm.training.trainer import DLMTrainer
-from tests.conftest import MASK_ID, VOCAB, tiny_model
-from tests.test_pretrain_data import tokenizer_dir  # noqa: F401  (fixture)
-from tests.trainer_utils import RecordingTrainer, make_args
+from tests.utils import MASK_ID, VOCAB, tiny_model
+from tests.utils import RecordingTrainer, make_args
 
 N, L = 8, 16
 
@@ -88,7 +87,7 @@ def test_sft_with_excluded_padding_never_attends_noises_or_supervises_padding_or
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir[0])
     rows = [{"messages": [{"role": "user", "content": f"What does statement {i} do?" + " yes" * (i % 2)},
                           {"role": "assistant", "content": "It runs a loop." * (1 + i % 3)}]} for i in range(6)]
-    dataset = SFTDataset(rows, tokenizer, SFTDataConfig(max_length=96, padding="exclude"))
+    dataset = SFTDataset(rows, tokenizer, SFTDataConfig(max_length=96, padding_policy="exclude"))
     model = tiny_model(seed=3, vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id).train()
     args = make_args(tmp_path, per_device_train_batch_size=6, max_steps=1, eps=0.9)  # t >= 0.9: most answers masked
     trainer = DLMTrainer(model=model, args=args, train_dataset=dataset,

@@ -89,7 +89,7 @@ class DLMEvalHarness(LM):
         if model is None:
             if pretrained is None:
                 raise ValueError("hf-dlm lm-eval model: pass pretrained=PATH (or model= and tokenizer=)")
-            from ..commands.serve import load_model
+            from ..hub.loading import load_model
 
             model, tokenizer = load_model(pretrained, device, dtype, peft)
         elif peft:

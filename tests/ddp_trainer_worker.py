@@ -11,7 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.trainer_utils import StopAfter, flat_params, make_trainer, random_dataset, window_stream  # noqa: E402
+from tests.utils import StopAfter, flat_params, make_trainer, random_dataset, window_stream  # noqa: E402
 
 
 def losses(trainer, after_step: int = 0):

@@ -16,7 +16,7 @@ from hf_dlm import DLMForDiffusionLM
 from hf_dlm.cli import main as cli_main
 from hf_dlm.hub.publish import prepare_hub_folder, push_to_hub
 from hf_dlm.hub.remote_code import AUTO_MAP, generate_remote_code
-from .conftest import tiny_model
+from tests.utils import tiny_model
 
 # Run in a fresh interpreter where `import hf_dlm` raises, so only the repository's own files can serve.
 LOAD_WITHOUT_HF_DLM = textwrap.dedent("""

@@ -8,7 +8,7 @@ from hf_dlm.diffusion.elbo import elbo_nll
 from hf_dlm.diffusion.objective import NORMALIZATIONS
 from hf_dlm.diffusion.noise import hashed_uniform
 
-from .conftest import MASK_ID, VOCAB, tiny_model
+from tests.utils import MASK_ID, VOCAB, tiny_model
 
 IDS = torch.arange(40).view(4, 10) + 1
 

@@ -1,10 +1,11 @@
 """lm-evaluation-harness model `hf-dlm`: diffusion LMs scored the way LLaDA evaluates them.
 
 - `loglikelihood`: minus the Monte Carlo ELBO of the continuation given the context (`elbo_nll`,
-  `mc_num` stratified draws). Each request draws its masks from a generator seeded by a hash of
-  (seed, its tokens), so scores do not change with the batch size or the order of requests (lm-eval
-  forks that share one generator report scores that move with the batch size). `is_greedy`: every
-  continuation token is the argmax when the whole continuation is masked.
+  `mc_num` stratified draws; `scoring.score_continuations`, which benchmarks share). Each request draws its
+  masks from a generator seeded by a hash of (seed, its tokens), so scores do not change with the batch size
+  or the order of requests (lm-eval forks that share one generator report scores that move with the batch
+  size). `is_greedy`: every continuation token is the argmax when the whole continuation is masked. A causal
+  model (`attention_mode="causal"`) gets its exact log-likelihood instead.
 - `loglikelihood_rolling`: lm-eval's disjoint rolling windows of `max_length`, each window's tokens
   scored by the ELBO given the window's context.
 - `generate_until`: the continuous-batching engine (the sampler's semantics, per-request seeds), cut
@@ -15,8 +16,6 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
@@ -24,7 +23,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from ..serving.engine import ContinuousBatchingEngine, GenerationRequest, decode_answer
-from ..diffusion.elbo import elbo_nll
+from .scoring import request_seed, score_continuations
 
 
 def _to_bool(value) -> bool:
@@ -85,42 +84,15 @@ class DLMEvalHarness(LM):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _request_seed(self, *token_lists) -> int:
-        digest = hashlib.sha256(repr((self.seed, *token_lists)).encode()).digest()
-        return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+        return request_seed(self.seed, *token_lists)
 
     # ---- scoring ---------------------------------------------------------------------------------
     def _score(self, pairs: list[tuple[list[int], list[int]]], progress: str | None = None) -> list[tuple[float, bool]]:
-        """(context ids, continuation ids) -> (log-likelihood bound, is_greedy), in the input order."""
-        order = sorted(range(len(pairs)), key=lambda i: -sum(map(len, pairs[i])))  # similar lengths batch together
-        results: list = [None] * len(pairs)
-        mask_id, pad = self.model.config.mask_token_id, self.tokenizer.pad_token_id or 0
-        for start in tqdm(range(0, len(order), self.batch_size), desc=progress, disable=progress is None):
-            chunk = order[start : start + self.batch_size]
-            rows = []
-            for i in chunk:
-                context, continuation = pairs[i]
-                context = (context or [self.prefix_token_id])[-(self.max_length - len(continuation)) :]
-                rows.append((context, continuation[-self.max_length :]))
-            width = max(len(c) + len(x) for c, x in rows)
-            input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-            attention_mask = torch.zeros_like(input_ids)
-            prompt_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-            for r, (context, continuation) in enumerate(rows):  # right padding
-                input_ids[r, : len(context) + len(continuation)] = torch.tensor(context + continuation)
-                attention_mask[r, : len(context) + len(continuation)] = 1
-                prompt_mask[r, : len(context)] = True
-            seeds = [self._request_seed(c, x) for c, x in rows]
-            bound = elbo_nll(self.model, input_ids, attention_mask, prompt_mask, mc_num=self.mc_num,
-                             batch_size=len(rows), row_seeds=seeds)["per_sequence"]
-            # greedy: the whole continuation masked, is every token the argmax?
-            answer = attention_mask.bool() & ~prompt_mask
-            with torch.no_grad():
-                logits = self.model.denoising_logits(input_ids.masked_fill(answer, mask_id).to(self._device),
-                                                     attention_mask=attention_mask.to(self._device))
-            greedy = (logits.argmax(-1).cpu().eq(input_ids) | ~answer).all(1)
-            for r, i in enumerate(chunk):
-                results[i] = (-float(bound[r]), bool(greedy[r]))
-        return results
+        """(context ids, continuation ids) -> (log-likelihood bound, is_greedy), in the input order
+        (`scoring.score_continuations`: the ELBO for diffusion models, the exact value for causal ones)."""
+        return score_continuations(self.model, pairs, pad_token_id=self.tokenizer.pad_token_id or 0,
+                                   prefix_token_id=self.prefix_token_id, max_length=self.max_length,
+                                   batch_size=self.batch_size, mc_num=self.mc_num, seed=self.seed, progress=progress)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = []

@@ -65,13 +65,15 @@ def load_study(path: str, overrides: list[str]) -> dict:
         study = yaml.safe_load(f)
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep or "." not in key:
-            raise SystemExit(f"--set {item!r}: expected section.key=value")
-        node, *path_keys = key.split(".")
-        target = study.setdefault(node, {})
-        for name in path_keys[:-1]:
-            target = target.setdefault(name, {})
-        target[path_keys[-1]] = yaml.safe_load(value)
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected key=value or section.key=value")
+        *sections, name = key.split(".")
+        target = study
+        for section in sections:
+            target = target.setdefault(section, {})
+        if name not in target:
+            raise SystemExit(f"--set {item!r}: {path} has no entry {key!r}")
+        target[name] = yaml.safe_load(value)
     return study
 
 
@@ -167,7 +169,9 @@ class PeriodicEvaluation(TrainerCallback):
         self.intervals.append({"steps": step - self._mark_step, "seconds": now - self._mark})
         was_training = model.training
         model.eval()
-        with self.autocast():
+        # compiled blocks run eagerly here: evaluation shapes and no_grad would otherwise compile more graphs
+        # than the few evaluations repay
+        with self.autocast(), torch.compiler.set_stance("force_eager"):
             metrics = heldout_metrics(model, self.data, self.training)
         model.train(was_training)
         self.curve.append({"step": step, "epoch": round(step / self.steps_per_epoch, 3),
@@ -211,9 +215,11 @@ def train_run(study: dict, data: dict, spec: dict, device: str) -> dict:
     config = model_config(study, data, spec["size"], spec["objective"], spec.get("router"))
     torch.manual_seed(training["seed"])  # AR and DLM start from the same weights
     model = DLMForDiffusionLM(config)
+    with torch.no_grad():  # a fingerprint of the initial weights, compared between runs of one shape
+        init = sum(float(p.double().abs().sum()) * (i + 1) for i, p in enumerate(model.parameters()))
+    # compiled blocks keep their graphs from run to run (no dynamo reset): runs of one shape and causality at
+    # other budgets reuse them, guarded by shape and attention mode
     steps, cuda = training["steps"], device == "cuda"
-    if training.get("compile"):
-        torch._dynamo.reset()  # runs differ in shape / causality: start every run with fresh guards
     with tempfile.TemporaryDirectory() as output_dir:
         args = DLMTrainingArguments(
             output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch,
@@ -241,7 +247,8 @@ def train_run(study: dict, data: dict, spec: dict, device: str) -> dict:
             "active_parameters": active_parameter_count(model), "objective_preset": args.objective_preset,
             "train_loss": round(float(output.training_loss), 4), "seconds": round(seconds, 1),
             "tokens_per_second": tokens_per_second(evaluation.intervals, batch * seq_len),
-            "data_order_sha1": dataset.order.hexdigest(), "samples_read": dataset.reads, "curve": evaluation.curve}
+            "first_interval_seconds": round(evaluation.intervals[0]["seconds"], 1),  # compilation and warm-up in it
+            "initial_weights_fingerprint": init, "data_order_sha1": dataset.order.hexdigest(), "samples_read": dataset.reads, "curve": evaluation.curve}
 
 
 def plan(study: dict, only: str) -> list[dict]:
@@ -385,9 +392,9 @@ def plot(results_path: str, png_path: str) -> None:
 def run_study(study: dict, out_path: str, only: str = "all", log=print) -> dict:
     cuda = torch.cuda.is_available() and not study.get("cpu", False)
     device = "cuda" if cuda else "cpu"
-    if (study["training"].get("bf16") or study["training"].get("compile")) and not cuda:
-        raise SystemExit("crossover: this preset asks for bf16 / compile on a GPU and none is visible; "
-                         "use --tiny (or a config with bf16: false, compile: false) on CPU")
+    if study["training"].get("bf16") and not cuda:
+        raise SystemExit("crossover: this study asks for bf16 on a GPU and none is visible; use --tiny (or a "
+                         "config with bf16: false) on CPU")
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         for name in ("recompile_limit", "cache_size_limit"):  # eval shapes add graphs per block
@@ -427,7 +434,7 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", help=f"a preset of {PRESET_DIR}: tiny, h200-short")
     parser.add_argument("--config", help="a study YAML file (the presets' format)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one entry of the study (YAML value), e.g. training.steps=600")
+                        help="override one entry of the study (YAML value), e.g. training.steps=600 or budgets=[81920]")
     parser.add_argument("--only", choices=("all", "crossover", "moe"), default="all")
     parser.add_argument("--out", help="results JSON (default: crossover_<preset>.json)")
     parser.add_argument("--plot", nargs=2, metavar=("RESULTS_JSON", "OUT_PNG"), help="render a results file")

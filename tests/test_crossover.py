@@ -6,11 +6,13 @@ import importlib.util
 import json
 import math
 import os
+import random
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from hf_dlm.data.memory_dataset import pack_documents
 from hf_dlm.evaluation.scoring import score_continuations
 from hf_dlm.modeling import DLMConfig, DLMForDiffusionLM
 
@@ -66,6 +68,7 @@ def test_tiny_study_writes_both_curves_with_matched_settings(tiny_results):
         pairs.setdefault((run["size"], run["budget"]), []).append(run)
     for ar, dlm in pairs.values():
         assert ar["data_order_sha1"] == dlm["data_order_sha1"]
+        assert ar["initial_weights_fingerprint"] == dlm["initial_weights_fingerprint"]
         assert ar["parameters"] == dlm["parameters"] and ar["tokens_per_step"] == dlm["tokens_per_step"]
     epochs = sorted((r["unique_tokens"], r["epochs"]) for r in crossover)
     assert epochs[0][1] > epochs[-1][1]  # the smaller budget is repeated more
@@ -88,6 +91,32 @@ def test_tiny_moe_study_has_equal_active_parameters(tiny_results):
         assert run["parameters"] > run["active_parameters"]
         assert run["data_order_sha1"] == dense["data_order_sha1"]
         assert math.isfinite(run["curve"][-1]["heldout_elbo"])
+
+
+def test_corpus_split_by_document_and_passages_with_their_true_continuation():
+    bench = load_benchmark()
+    corpus = dict(max_files=20, heldout_fraction=0.2, vocab_size=300, seq_len=16, eval_windows=4, mc_passages=6,
+                  mc_context=8, mc_continuation=4)
+    data = bench.build_data(corpus, seed=0, log=lambda *_: None)
+    from hf_dlm.data.corpus import split_documents, stdlib_documents
+
+    train_docs, heldout_docs = split_documents(stdlib_documents(max_files=20), 0.2)
+    assert not set(train_docs) & set(heldout_docs) and data["stats"]["heldout_documents"] == len(heldout_docs)
+    encode = lambda texts: data["tokenizer"](texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    heldout = [ids for ids in encode(heldout_docs) if len(ids) >= 12]
+    assert len(data["passages"]) == min(6, len(heldout)) >= 2
+    for passage in data["passages"]:
+        truth = passage["context"] + passage["candidates"][passage["answer"]]
+        assert truth in [ids[:12] for ids in heldout]  # the true continuation follows its context
+        for n, candidate in enumerate(passage["candidates"]):  # the others come from other held-out documents
+            assert len(candidate) == 4 and (n == passage["answer"] or passage["context"] + candidate not in
+                                            [ids[:12] for ids in heldout])
+    assert sorted(p["answer"] for p in data["passages"]) != [0] * len(data["passages"])  # the slot varies
+    # the training windows are the training documents only, shuffled once, joined by EOS (budgets: prefixes)
+    random.Random(0).shuffle(train_docs)
+    expected = pack_documents(encode(train_docs), 16, data["tokenizer"].eos_token_id)[0]
+    assert torch.equal(data["train"], expected)
+    assert data["windows"].shape == (4, 16)
 
 
 def test_ar_nll_and_continuation_scores_equal_a_hand_computation():

@@ -45,17 +45,18 @@ def _batch_rows(rows, pad_token_id: int):
 def _causal_scores(model, input_ids, attention_mask, prompt_mask) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact AR log-likelihood of the non-prompt real tokens: the logits at j predict token j + 1."""
     device = next(model.parameters()).device
-    logits = model(input_ids=input_ids.to(device),
+    input_ids = input_ids.to(device)
+    logits = model(input_ids=input_ids,
                    attention_mask=None if attention_mask is None else attention_mask.to(device)).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).cpu()  # (B, W-1, V): position j scores token j+1
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, W-1, V): position j scores token j+1
     targets = input_ids[:, 1:]
-    scored = ~prompt_mask[:, 1:]
+    scored = ~prompt_mask[:, 1:].to(device)
     if attention_mask is not None:
-        scored &= attention_mask[:, 1:].bool()
+        scored &= attention_mask[:, 1:].to(device).bool()
     token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, W-1)
     total = (token_logp.double() * scored).sum(1)
     greedy = (logp.argmax(-1).eq(targets) | ~scored).all(1)
-    return total, greedy
+    return total.cpu(), greedy.cpu()
 
 
 @torch.no_grad()

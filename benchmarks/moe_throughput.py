@@ -38,19 +38,44 @@ def shapes(tiny: bool) -> dict:
     return {"common": common, "dense_ffn": 5632, "expert_ffn": 2816, "seq": 4096, "mbs": 4}
 
 
+# variant name -> MoE options (None: the dense model). Every MoE variant has the dense model's active
+# parameters: top-2 of 8 experts of half the dense width, or expert choice at capacity factor 1 with k = 2.
+ROUTERS = {
+    "dense": None,
+    "moe grouped_mm": dict(moe_implementation="grouped_mm"),
+    "moe loop": dict(moe_implementation="loop"),
+    "moe sigmoid": dict(moe_implementation="grouped_mm", moe_router="sigmoid", n_group=4, topk_group=2,
+                        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3),
+    "moe expert_choice batch": dict(moe_implementation="grouped_mm", moe_router="expert_choice",
+                                    expert_choice_level="batch"),
+    "moe expert_choice sequence": dict(moe_implementation="grouped_mm", moe_router="expert_choice",
+                                       expert_choice_level="sequence"),
+}
+
+
 def build(spec: dict, variant: str, device: str) -> DLMForDiffusionLM:
+    """`variant` is a key of ROUTERS, optionally followed by " compiled" (per-block torch.compile, as the
+    trainer's `compile` option applies it)."""
+    compiled = variant.endswith(" compiled")
+    router = ROUTERS[variant.removesuffix(" compiled")]
     options = dict(spec["common"], mask_token_id=spec["common"]["vocab_size"] - 1, qk_norm=True)
-    if variant == "dense":
+    if router is None:
         config = DLMConfig(**options, intermediate_size=spec["dense_ffn"])
     else:
+        if not torch.cuda.is_available() and router.get("moe_implementation") == "grouped_mm":
+            router = dict(router, moe_implementation="auto")  # the CPU takes the loop
         config = DLMConfig(**options, intermediate_size=spec["dense_ffn"], num_experts=8, num_experts_per_tok=2,
-                           moe_intermediate_size=spec["expert_ffn"], router_aux_loss_coef=0.01,
-                           moe_implementation=variant.split()[-1])
+                           moe_intermediate_size=spec["expert_ffn"], router_aux_loss_coef=0.01, **router)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
         model = DLMForDiffusionLM(config)
-    return model.to(torch.bfloat16).train()
+    model = model.to(torch.bfloat16).train()
+    if compiled:
+        for layer in model.model.layers:  # regional compile, in place
+            layer.compile()
+        model.compile_loss_head = True
+    return model
 
 
 def check_grouped_against_loop(spec: dict, device: str) -> dict:
@@ -77,7 +102,7 @@ def check_grouped_against_loop(spec: dict, device: str) -> dict:
     return diffs
 
 
-def time_variant(spec: dict, variant: str, device: str, warmup: int, steps: int) -> dict:
+def time_variant(spec: dict, variant: str, device: str, warmup: int, steps: int, profile: bool = False) -> dict:
     model = build(spec, variant, device)
     total, active = sum(p.numel() for p in model.parameters()), active_parameter_count(model)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -99,6 +124,15 @@ def time_variant(spec: dict, variant: str, device: str, warmup: int, steps: int)
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = (time.perf_counter() - start) / steps
+    if profile:  # one more step under the profiler: where the time goes, kernel by kernel
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as profiler:
+            model(input_ids=inputs, labels=labels).loss.backward()
+            model.zero_grad(set_to_none=True)
+        sort_by = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        print(f"profile of one '{variant}' step:\n" + profiler.key_averages().table(sort_by=sort_by, row_limit=18),
+              flush=True)
     tokens = mbs * seq / elapsed
     flops = 6 * active + 12 * spec["common"]["num_hidden_layers"] * spec["common"]["hidden_size"] * seq
     row = {"variant": variant, "params": total, "active_params": active, "step_s": elapsed, "tokens_per_s": tokens,
@@ -116,6 +150,9 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="CPU-sized shapes (debug the script)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--profile", nargs="*", default=[], help="variants to profile for one extra step")
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help=f"subset to run: {', '.join(ROUTERS)}, each optionally with ' compiled'")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     spec = shapes(args.tiny)
@@ -124,10 +161,14 @@ def main():
     if device == "cuda":
         report["check_grouped_vs_loop_bf16_rel_max_diff"] = check_grouped_against_loop(spec, device)
         print(json.dumps(report), flush=True)
-    variants = ["dense", "moe grouped_mm", "moe loop"] if device == "cuda" else ["dense", "moe loop"]
+    variants = args.variants or (["dense", "moe grouped_mm", "moe loop"] if device == "cuda" else
+                                 ["dense", "moe loop", "moe expert_choice sequence"])
+    unknown = [v for v in variants if v.removesuffix(" compiled") not in ROUTERS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {list(ROUTERS)} (optionally + ' compiled')")
     rows = []
     for variant in variants:
-        rows.append(time_variant(spec, variant, device, args.warmup, args.steps))
+        rows.append(time_variant(spec, variant, device, args.warmup, args.steps, variant in args.profile))
         print(json.dumps(rows[-1]), flush=True)
     report["rows"] = rows
     dense = rows[0]["tokens_per_s"]

@@ -1,11 +1,16 @@
 """lm-evaluation-harness model `hf-dlm`: diffusion LMs scored the way LLaDA evaluates them.
 
 - `loglikelihood`: minus the Monte Carlo ELBO of the continuation given the context (`elbo_nll`,
-  `mc_num` stratified draws; `scoring.score_continuations`, which benchmarks share). Each request draws its
-  masks from a generator seeded by a hash of (seed, its tokens), so scores do not change with the batch size
-  or the order of requests (lm-eval forks that share one generator report scores that move with the batch
-  size). `is_greedy`: every continuation token is the argmax when the whole continuation is masked. A causal
-  model (`attention_mode="causal"`) gets its exact log-likelihood instead.
+  `mc_num` stratified draws). Each request draws its masks from a generator seeded by a hash of
+  (seed, its tokens), so scores do not change with the batch size or the order of requests (lm-eval
+  forks that share one generator report scores that move with the batch size). `is_greedy`, by
+  `greedy_check`: "one_forward" (default): every continuation token is the argmax when the whole
+  continuation is masked; "iterative": LLaDA's `suffix_greedy_prediction` (eval_llada.py): the continuation
+  is decoded from all masks one token per forward, the most confident masked position first, and must come
+  out equal. Only tasks that read `is_greedy` (LAMBADA accuracy) differ; the iterative check costs one
+  forward per continuation token. `subs=True`: [MASK] out of the softmax in both (MDLM SUBS models).
+  The scoring is `scoring.score_continuations`, a plain function benchmarks share; a causal model
+  (`attention_mode="causal"`) gets its exact log-likelihood there.
 - `loglikelihood_rolling`: lm-eval's disjoint rolling windows of `max_length`, each window's tokens
   scored by the ELBO given the window's context.
 - `generate_until`: the continuous-batching engine (the sampler's semantics, per-request seeds), cut
@@ -23,7 +28,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from ..serving.engine import ContinuousBatchingEngine, GenerationRequest, decode_answer
-from .scoring import request_seed, score_continuations
+from ..utils.errors import FieldError
+from .scoring import GREEDY_CHECKS, greedy_iterative, greedy_one_forward, request_seed, score_continuations  # noqa: F401
 
 
 def _to_bool(value) -> bool:
@@ -36,23 +42,31 @@ class DLMEvalHarness(LM):
                  dtype: str = "auto", batch_size: int | str = 8, max_batch_size: int | None = None, mc_num: int = 128,
                  seed: int = 1234, max_length: int | None = None, max_gen_toks: int = 128, block_length: int = 32,
                  steps: int | None = None, threshold: float | None = None, temperature: float = 0.0,
-                 remasking: str | None = None, cache: str | None = None, **unused):
+                 remasking: str | None = None, cache: str | None = None, greedy_check: str = "one_forward",
+                 subs: bool | str = False, **unused):
         """pretrained: checkpoint folder (or pass `model` and `tokenizer` objects); peft: a LoRA adapter folder;
         mc_num: ELBO draws per request (LLaDA uses 128); steps: sampler steps for generate_until (default:
-        one token per step); remaining generation knobs as in `model.generate`."""
+        one token per step); greedy_check: "one_forward" (default) or "iterative" (LLaDA's
+        suffix_greedy_prediction), see the module docstring; subs: the model was trained with the objective's
+        subs=True (the `mdlm` preset): [MASK] is removed from the softmax when scoring; remaining generation
+        knobs as in `model.generate`."""
         super().__init__()
         if unused:
             raise TypeError(f"hf-dlm lm-eval model: unknown model_args {sorted(unused)}")
         if model is None:
             if pretrained is None:
                 raise ValueError("hf-dlm lm-eval model: pass pretrained=PATH (or model= and tokenizer=)")
-            from ..commands.serve import load_model
+            from ..hub.loading import load_model
 
             model, tokenizer = load_model(pretrained, device, dtype, peft)
         elif peft:
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(model, peft).merge_and_unload().eval()
+        if greedy_check not in GREEDY_CHECKS:
+            raise FieldError("greedy_check", f"hf-dlm lm-eval model: greedy_check must be one of {GREEDY_CHECKS}, "
+                             f"got {greedy_check!r}", greedy_check)
+        self.greedy_check, self.subs = greedy_check, _to_bool(subs)
         self.model, self.tokenizer = model, tokenizer
         self._device = next(model.parameters()).device
         if str(batch_size).startswith("auto"):
@@ -92,7 +106,8 @@ class DLMEvalHarness(LM):
         (`scoring.score_continuations`: the ELBO for diffusion models, the exact value for causal ones)."""
         return score_continuations(self.model, pairs, pad_token_id=self.tokenizer.pad_token_id or 0,
                                    prefix_token_id=self.prefix_token_id, max_length=self.max_length,
-                                   batch_size=self.batch_size, mc_num=self.mc_num, seed=self.seed, progress=progress)
+                                   batch_size=self.batch_size, mc_num=self.mc_num, seed=self.seed, subs=self.subs,
+                                   greedy_check=self.greedy_check, progress=progress)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = []

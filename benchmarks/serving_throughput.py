@@ -122,7 +122,7 @@ def serve_benchmark(model, tokenizer, args, report):
 
     from hf_dlm.serving.app import ServerSettings, create_app
     from hf_dlm.serving.engine import ContinuousBatchingEngine
-    from tests.serving_utils import ThreadedServer
+    from tests.utils import ThreadedServer
 
     engine = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=4096)
     settings = ServerSettings(model_name="qwen3-1.7b-shape", max_prompt_tokens=4096, max_output_tokens=4096)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from transformers import GenerationConfig
 
+from ..utils.errors import FieldError
 from .compiled_step import COMPILE_CHOICES
 
 REMASKING = ("low_confidence", "random", "margin", "entropy")
@@ -94,7 +95,8 @@ class DLMGenerationConfig(GenerationConfig):
     def validate_dlm(self):
         """Raise a ValueError naming every option out of range or not supported by a diffusion sampler."""
         def fail(name, expected):
-            raise ValueError(f"DLMGenerationConfig.{name} must be {expected}, got {getattr(self, name)!r}")
+            raise FieldError(name, f"DLMGenerationConfig.{name} must be {expected}, got {getattr(self, name)!r}",
+                             getattr(self, name))
 
         unsupported = [f"{name}={getattr(self, name)!r}" for name, off in UNSUPPORTED.items()
                        if getattr(self, name, None) not in (off, None)]

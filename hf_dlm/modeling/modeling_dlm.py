@@ -259,17 +259,18 @@ class DLMPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save, plus self-contained remote code, `auto_map` and a model card
-        (`hf_dlm.hub.publish`), so the folder loads with `trust_remote_code=True` without hf-dlm."""
-        from ..hub.publish import save_with_remote_code
+        (`hf_dlm.hub.publish`, reached through the `utils.publishing` hook: hub/ sits above modeling), so the
+        folder loads with `trust_remote_code=True` without hf-dlm."""
+        from ..utils.publishing import publisher
 
-        return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
+        return publisher().save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """transformers' arguments plus `tokenizer`, `base_model`, `training_details`: one commit holding the
         weights, the generated remote code and a full model card (`hf_dlm.hub.publish.push_to_hub`)."""
-        from ..hub.publish import push_to_hub
+        from ..utils.publishing import publisher
 
-        return push_to_hub(self, repo_id, **kwargs)
+        return publisher().push_to_hub(self, repo_id, **kwargs)
 
 
 @dataclass
@@ -467,6 +468,7 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
         label_weights: torch.Tensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         clean_input_ids: torch.LongTensor | None = None,
+        suppressed_token_id: int | None = None,
         return_logits: bool | None = None,
         output_hidden_states: bool | None = None,
         kv_cache=None,
@@ -478,7 +480,8 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
         with `hf_dlm.MaskedDiffusionObjective`, which also applies `label_alignment`); label_weights
         (B, L): per-position loss weights (the diffusion ELBO weight); num_items_in_batch: the loss
         normaliser (default: the number of supervised positions). With labels, only the supervised
-        positions' logits are computed, in chunks of `config.loss_chunk_size`.
+        positions' logits are computed, in chunks of `config.loss_chunk_size`. suppressed_token_id: a token
+        removed from the loss's softmax (MDLM's SUBS: the objective's `subs=True` passes the mask token).
         logits_to_keep: as in transformers' LMs, only the last `logits_to_keep` positions' logits (0: all).
         """
         outputs = self.model(
@@ -497,6 +500,7 @@ class DLMForDiffusionLM(DLMGenerationMixin, DLMPreTrainedModel):
             loss, num_loss_tokens = masked_lm_loss(
                 hidden_states, self.lm_head, labels, label_weights, num_items_in_batch, self.config.loss_chunk_size,
                 compiled=self.compile_loss_head, grad_in_forward=self.loss_grad_in_forward,
+                suppressed_token_id=suppressed_token_id,
             )
         aux_loss, router_z_loss = getattr(outputs, "aux_loss", None), getattr(outputs, "router_z_loss", None)
         router_loss = None

@@ -8,7 +8,7 @@ random generator, exactly as `model.generate` would decode it alone. One `step()
    the longest canvas (the model derives positions from the attention mask, so padding shifts nothing),
    and sends only each row's current block through the LM head (cached rows: one forward for those at
    a block start, one for the windows of the others; a row with `cfg_scale` brings its unconditional copy);
-3. commits tokens per row with the sampler's own arithmetic (`generation_sampling`: LLaDA budgets,
+3. commits tokens per row with the sampler's own arithmetic (`generation/sampling.py`: LLaDA budgets,
    float64 Gumbel-max, confidence, Fast-dLLM threshold);
 4. at a row's block boundary: reports the committed block (streaming), applies `stop_on_eos` and the
    caller's stop check; a finished row leaves the batch at once.
@@ -16,7 +16,7 @@ random generator, exactly as `model.generate` would decode it alone. One `step()
 Why hand-written: `DiffusionSampler.run` decodes a fixed batch that starts together; a server needs
 rows that arrive and leave at different times with different settings, which no library offers for
 diffusion LMs. The per-row result equals `model.generate(prompt, generator=Generator().manual_seed(seed))`
-(cache='none'; tests/test_serving_engine.py checks it).
+(cache='none'; tests/test_serving.py checks it).
 
 The `cache` knob: Fast-dLLM's prefix / dual caches of bidirectional models run per row (row_cache.py),
 with `model.generate(cache=...)`'s semantics (approximate, as Fast-dLLM's); for attention_mode
@@ -26,6 +26,7 @@ with `model.generate(cache=...)`'s semantics (approximate, as Fast-dLLM's); for 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -37,7 +38,10 @@ import torch
 from ..generation.configuration import DLMGenerationConfig
 from ..generation.sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
                                             num_transfer_tokens, select_commits)
+from ..utils.errors import FieldError
 from .row_cache import cached_hidden_states
+
+logger = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
@@ -76,20 +80,23 @@ class SamplingParams:
         new_tokens = config.max_new_tokens or 64
         block_length = config.block_length or new_tokens
         if block_length <= 0:
-            raise ValueError(f"block_length must be positive, got {block_length}")
+            raise FieldError("block_length", f"block_length must be positive, got {block_length}", block_length)
         if new_tokens % block_length:
-            raise ValueError(f"max_tokens ({new_tokens}) must be a multiple of block_length ({block_length})")
+            raise FieldError("max_new_tokens", f"max_tokens ({new_tokens}) must be a multiple of block_length "
+                             f"({block_length})", new_tokens)
         num_blocks = new_tokens // block_length
         steps = config.steps or new_tokens
         if steps <= 0 or steps % num_blocks:
-            raise ValueError(f"steps ({steps}) must be a positive multiple of the number of blocks ({num_blocks})")
+            raise FieldError("steps", f"steps ({steps}) must be a positive multiple of the number of blocks "
+                             f"({num_blocks})", steps)
         # the exact cache of 'block' / 'causal' models gives the uncached tokens: those rows run uncached
         cache = config.cache if attention_mode == "bidirectional" else "none"
         if cache != "none" and attention_implementation not in ("eager", "sdpa"):
-            raise ValueError(f"cache={cache!r} in the serving engine needs attn_implementation 'sdpa' or 'eager', "
-                             f"not {attention_implementation!r}")
+            raise FieldError("cache", f"cache={cache!r} in the serving engine needs attn_implementation 'sdpa' or "
+                             f"'eager', not {attention_implementation!r}", cache)
         if config.cfg_scale and cache != "none":
-            raise ValueError(f"cfg_scale: the serving engine guides rows without a KV cache only (asked: {cache!r})")
+            raise FieldError("cfg_scale", f"cfg_scale: the serving engine guides rows without a KV cache only "
+                             f"(asked: {cache!r})", config.cfg_scale)
         return cls(max_new_tokens=new_tokens, block_length=block_length, steps=steps,
                    temperature=config.sampling_temperature, top_p=config.top_p, top_k=config.top_k,
                    threshold=config.threshold, remasking=config.remasking, stop_on_eos=config.stop_on_eos, seed=seed,
@@ -246,8 +253,13 @@ class ContinuousBatchingEngine:
         with self.lock:
             while self.waiting and len(self.running) < self.max_batch_size:
                 request = self.waiting.popleft()
-                self.running.append(_Row(request, self.mask_id, self.device))
                 self.stats["requests_admitted"] += 1  # a cancelled one leaves at once in step()
+                try:
+                    row = _Row(request, self.mask_id, self.device)
+                except Exception as error:  # noqa: BLE001 (a request the engine cannot start fails alone)
+                    self._done(request, "error", error)
+                    continue
+                self.running.append(row)
 
     # ---- one scheduler iteration ---------------------------------------------------------------
     def step(self):
@@ -266,14 +278,21 @@ class ContinuousBatchingEngine:
                 continue
             try:
                 logits = forward(rows)
-                for row, row_logits in zip(rows, logits):
-                    row.commit(row_logits[: row.params.block_length], self.mask_id, self.mask_index)
             except Exception as error:  # noqa: BLE001 (a failed forward fails its rows, not the server)
                 for row in rows:
                     self._finish(row, "error", error)
+                continue
+            for row, row_logits in zip(rows, logits):
+                try:
+                    row.commit(row_logits[: row.params.block_length], self.mask_id, self.mask_index)
+                except Exception as error:  # noqa: BLE001 (one row's failure is that row's alone)
+                    self._finish(row, "error", error)
         for row in list(self.running):
-            while row in self.running and row.block_done():
-                self._end_block(row)
+            try:
+                while row in self.running and row.block_done():
+                    self._end_block(row)
+            except Exception as error:  # noqa: BLE001 (a raising callback fails its own row)
+                self._finish(row, "error", error)
 
     def run_until_idle(self):
         while self.has_work():
@@ -374,10 +393,18 @@ class ContinuousBatchingEngine:
     def _finish(self, row: _Row, reason: str, error: Exception | None = None):
         if row in self.running:
             self.running.remove(row)
-        row.request.finish_reason, row.request.error = reason, error
+        self._done(row.request, reason, error)
+
+    def _done(self, request: GenerationRequest, reason: str, error: Exception | None = None):
+        if request.finish_reason is not None:  # already answered (a callback raised after its on_done)
+            return
+        request.finish_reason, request.error = reason, error
         self.stats["requests_failed" if error is not None else "requests_finished"] += 1
-        if row.request.on_done is not None:
-            row.request.on_done(row.request, reason, error)
+        if request.on_done is not None:
+            try:
+                request.on_done(request, reason, error)
+            except Exception:  # noqa: BLE001 (the caller's callback; the other rows go on)
+                logger.exception("on_done of request %s raised", request.request_id)
 
     # ---- background loop (the server) ------------------------------------------------------------
     def start(self):

@@ -310,11 +310,16 @@ def llada2_case():
     return config, sd, reference
 
 
+def llada21_case():
+    config, sd, reference = llada2_case()
+    return {**config, "model_type": "llada21_moe"}, sd, reference
+
+
 CASES = {"llada": llada_case, "Dream": dream_case, "sdar": sdar_case, "Fast_dLLM_Qwen": fast_dllm_case,
-         "sdar_moe": sdar_moe_case, "lladamoe": lladamoe_case, "llada2_moe": llada2_case}
+         "sdar_moe": sdar_moe_case, "lladamoe": lladamoe_case, "llada2_moe": llada2_case, "llada21_moe": llada21_case}
 LAYOUTS = {"llada": ("bidirectional", "same"), "Dream": ("bidirectional", "shift"), "sdar": ("block", "same"),
            "Fast_dLLM_Qwen": ("block", "shift"), "sdar_moe": ("block", "same"), "lladamoe": ("bidirectional", "same"),
-           "llada2_moe": ("block", "same")}
+           "llada2_moe": ("block", "same"), "llada21_moe": ("block", "same")}
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -137,6 +137,24 @@ class LLaDA2MoeModelLM(FamilyModelMixin, DLMForDiffusionLM):
     generation_defaults = block_threshold_defaults(0.95)
 
 
+class LLaDA21MoeConfig(LLaDA2MoeConfig):
+    """LLaDA2.1 as some copies publish it (`model_type: "llada21_moe"`): LLaDA2's architecture and keys."""
+
+    model_type = "llada21_moe"
+
+
+class LLaDA21MoeModel(FamilyModelMixin, DLMModel):
+    config_class = LLaDA21MoeConfig
+
+
+class LLaDA21MoeModelLM(LLaDA2MoeModelLM):
+    config_class = LLaDA21MoeConfig
+
+
+# those copies keep LLaDA2's class name: saved configs then name the same `architectures`
+LLaDA21MoeModelLM.__name__ = "LLaDA2MoeModelLM"
+
+
 def lladamoe_keys():
     return [*renamings([(r"\.shared_expert\.", ".mlp.shared_experts.")]), *grouped_experts()]
 

@@ -410,3 +410,16 @@ def test_dlm_trainer_steps_lower_the_loss(family_case, tmp_path, lora):
     if lora:
         assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
         assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+
+
+def test_auto_model_loads_the_base_model(family_case):
+    """AutoModel (the family's base model) reads the same published folder: the LM's final hidden states."""
+    from transformers import AutoModel
+
+    name, _, _, _, folder = family_case
+    lm = AutoModelForMaskedLM.from_pretrained(folder, attn_implementation="eager").eval()
+    base = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    assert type(base) is FAMILIES[name].base_class
+    with torch.no_grad():
+        torch.testing.assert_close(base(input_ids=IDS).last_hidden_state, lm.model(input_ids=IDS).last_hidden_state,
+                                   atol=0, rtol=0)

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generation.configuration import DLMGenerationConfig
-from ..generation.sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
-                                            num_transfer_tokens, select_commits)
+from ..generation.commit_rules import CommitSettings, decide_step
+from ..generation.sampling import finished_rows, num_transfer_tokens
 from .row_cache import cached_hidden_states
 
 
@@ -175,13 +175,11 @@ class _Row:
         start, end = self.window
         current = self.canvas[start:end].unsqueeze(0)  # (1, W)
         logits = logits.unsqueeze(0)
-        candidates = filter_logits(logits.index_fill(-1, mask_index, -torch.inf), p.top_k, p.top_p)
-        x0 = add_gumbel_noise(candidates, p.temperature, self.generator).argmax(-1)
-        confidence = confidence_scores(logits, x0, p.remasking, self.generator)
-        confidence = confidence.masked_fill(current.ne(mask_id), -torch.inf)
+        settings = CommitSettings(p.temperature, p.top_k, p.top_p, p.remasking, p.threshold)
         budget = None if p.threshold is not None else torch.tensor([self.budget[self.step]], device=logits.device)
-        commit = select_commits(confidence, budget, p.threshold)
-        self.canvas[start:end] = torch.where(commit, x0, current)[0]
+        tokens, _ = decide_step(logits, current, current.eq(mask_id), settings, budget, self.generator,
+                                mask_index=mask_index)
+        self.canvas[start:end] = tokens[0]
         self.step += 1
         if p.threshold is not None:
             self.block_has_masks = bool(self.canvas[start:end].eq(mask_id).any())

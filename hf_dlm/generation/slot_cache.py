@@ -59,74 +59,89 @@ class SlotStorage:
         return self.capacity
 
 
+def bucket(n: int) -> int:
+    """Static sizes for captured / compiled steps: n itself up to 16, else rounded up to a multiple of an eighth
+    of its power of two (at most ~12% padding, a few sizes per octave)."""
+    if n <= 16:
+        return max(n, 1)
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
+
+
 class RaggedStep:
-    """The `kv_cache` of one engine forward. Rows r = 0..b-1 each query their canvas slots
-    [start_r, start_r + length_r) on lane `lanes[r]`, against keys [0, key_length_r).
+    """The plan of one engine forward. Rows r = 0..b-1 each query their canvas slots [start_r, start_r + length_r)
+    on lane `lanes[r]`, against keys [0, key_length_r). `tensors` holds the device indices `ragged_forward`
+    takes; with `buckets` every size (rows, packed tokens, queries per row) is rounded up (`bucket`), the
+    filler rows / tokens reading slot 0 and writing the trash slot, so that a few static shapes repeat.
 
     mode: the model's attention_mode ('bidirectional', 'causal' or 'block' with `block_size`): which keys
     a query at position p sees (all of its row's; <= p; blocks <= p's block)."""
 
     def __init__(self, storage: SlotStorage, lanes: list[int], starts: list[int], lengths: list[int],
                  key_lengths: list[int], mode: str = "bidirectional", block_size: int | None = None,
-                 pad_to: int | None = None):
-        device = storage.device
-        self.storage, self.layers_seen = storage, set()
-        b = len(lanes)
-        lengths_t = torch.tensor(lengths)
-        total = int(lengths_t.sum())
-        self.num_tokens = max(total, pad_to or 0)
+                 buckets: bool = False):
+        b, total, width = len(lanes), sum(lengths), max(lengths)
+        rows = bucket(b) if buckets else b
+        self.num_tokens = bucket(total) if buckets else total
+        width = bucket(width) if buckets else width
+        filler = rows - b
+        lanes, starts = lanes + [lanes[0]] * filler, starts + [0] * filler
+        lengths_t = torch.tensor(lengths + [0] * filler)
+        key_lengths = key_lengths + [1] * filler
         offsets = torch.cumsum(lengths_t, 0) - lengths_t
-        row = torch.repeat_interleave(torch.arange(b), lengths_t)  # (T,) row of each packed token
+        row = torch.repeat_interleave(torch.arange(rows), lengths_t)  # (T,) row of each packed token
         qpos = torch.arange(total) - offsets[row]
         slot = torch.tensor(starts)[row] + qpos
         lane = torch.tensor(lanes)[row]
-        padding = self.num_tokens - total  # bucket filler: row 0's lane, the trash slot
+        padding = self.num_tokens - total  # filler tokens: row 0's lane, the trash slot
         if padding:
             row = torch.cat([row, torch.zeros(padding, dtype=torch.long)])
             qpos = torch.cat([qpos, torch.zeros(padding, dtype=torch.long)])
             slot = torch.cat([slot, torch.full((padding,), storage.trash)])
             lane = torch.cat([lane, torch.full((padding,), lanes[0])])
-        width = max(lengths)
-        # (b, Q_max) -> packed token index; padding queries read token 0 (their outputs are never used)
-        q_index = offsets.unsqueeze(1) + torch.arange(width).unsqueeze(0)
+        # (rows, Q) -> packed token index; padding queries read token 0 (their outputs are never used)
         q_valid = torch.arange(width).unsqueeze(0) < lengths_t.unsqueeze(1)
-        q_index = torch.where(q_valid, q_index, 0)
-        key_slot = torch.arange(storage.capacity + 1)
-        allowed = key_slot.view(1, 1, -1) < torch.tensor(key_lengths).view(-1, 1, 1)  # (b, 1, K): the trash never
-        query_position = torch.tensor(starts).unsqueeze(1) + torch.arange(width).unsqueeze(0)  # (b, Q_max)
+        q_index = torch.where(q_valid, offsets.unsqueeze(1) + torch.arange(width).unsqueeze(0), 0)
+        key_slot = torch.arange(storage.capacity + 1).view(1, 1, -1)
+        allowed = key_slot < torch.tensor(key_lengths).view(-1, 1, 1)  # (rows, 1, K): the trash slot never
+        query_position = (torch.tensor(starts).unsqueeze(1) + torch.arange(width).unsqueeze(0)).unsqueeze(-1)
         if mode == "causal":
-            allowed = allowed & (key_slot.view(1, 1, -1) <= query_position.unsqueeze(-1))
+            allowed = allowed & (key_slot <= query_position)
         elif mode == "block":
-            allowed = allowed & (key_slot.view(1, 1, -1) // block_size <= query_position.unsqueeze(-1) // block_size)
-        self.mask = allowed.expand(b, width, -1).unsqueeze(1).to(device)  # (b, 1, Q_max, K)
-        self.token_row, self.token_qpos = row.to(device), qpos.to(device)
-        self.token_lane, self.token_slot = lane.to(device), slot.to(device)
-        self.positions = torch.where(slot == storage.trash, 0, slot).unsqueeze(0).to(device)  # (1, T) RoPE positions
-        self.q_index = q_index.to(device)
-        self.lanes = torch.tensor(lanes, device=device)
-        self.offsets, self.starts = offsets.tolist(), starts
+            allowed = allowed & (key_slot // block_size <= query_position // block_size)
+        device = storage.device
+        self.tensors = dict(
+            token_lane=lane.to(device), token_slot=slot.to(device), token_row=row.to(device),
+            token_qpos=qpos.to(device), positions=torch.where(slot == storage.trash, 0, slot).unsqueeze(0).to(device),
+            q_index=q_index.to(device), mask=allowed.expand(rows, width, -1).unsqueeze(1).to(device),
+            lanes=torch.tensor(lanes, device=device))
+        self.offsets, self.starts, self.rows = offsets.tolist(), starts, rows
+
+
+class RaggedKV:
+    """The `kv_cache` of `ragged_forward`: writes the packed queries' fresh keys / values into their lanes' slots
+    and runs each row's attention against its lane (`attends`: DLMAttention hands the attention over)."""
+
+    attends = True
+
+    def __init__(self, keys: list, values: list, token_lane, token_slot, token_row, token_qpos, q_index, mask, lanes):
+        self.keys, self.values = keys, values
+        self.token_lane, self.token_slot, self.token_row, self.token_qpos = token_lane, token_slot, token_row, token_qpos
+        self.q_index, self.mask, self.lanes = q_index, mask, lanes
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
-        """key / value (1, nkv, T, hd) fresh for the packed queries: written into their lanes' slots."""
-        storage = self.storage
-        if layer_idx not in storage.keys:
-            shape = (storage.lanes, storage.capacity + 1, key.shape[1], key.shape[3])
-            storage.keys[layer_idx] = key.new_zeros(shape)
-            storage.values[layer_idx] = value.new_zeros(shape)
-        keys, values = storage.keys[layer_idx], storage.values[layer_idx]
+        """key / value (1, nkv, T, hd) fresh for the packed queries."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys[self.token_lane, self.token_slot] = key[0].transpose(0, 1).to(keys.dtype)
         values[self.token_lane, self.token_slot] = value[0].transpose(0, 1).to(values.dtype)
         return key, value
 
-    attends = True  # DLMAttention hands the attention itself to `attention` below
-
     def attention(self, module, query: torch.Tensor, key=None, value=None) -> torch.Tensor:
         """query (1, nh, T, hd) -> attention output (1, T, nh, hd): per row against its lane's keys / values."""
         layer = module.layer_idx
-        self.layers_seen.add(layer)
-        keys = self.storage.keys[layer].index_select(0, self.lanes).transpose(1, 2)  # (b, nkv, K, hd)
-        values = self.storage.values[layer].index_select(0, self.lanes).transpose(1, 2)
-        queries = query[0].transpose(0, 1)[self.q_index].transpose(1, 2)  # (b, nh, Q_max, hd)
+        keys = self.keys[layer].index_select(0, self.lanes).transpose(1, 2)  # (b, nkv, K, hd)
+        values = self.values[layer].index_select(0, self.lanes).transpose(1, 2)
+        queries = query[0].transpose(0, 1)[self.q_index].transpose(1, 2)  # (b, nh, Q, hd)
         if keys.shape[1] != queries.shape[1]:  # grouped-query attention
             repeat = queries.shape[1] // keys.shape[1]
             keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
@@ -135,4 +150,42 @@ class RaggedStep:
         return output.transpose(1, 2)[self.token_row, self.token_qpos].unsqueeze(0)  # (1, T, nh, hd)
 
 
-__all__ = ["RaggedStep", "SlotStorage"]
+class _Allocating(RaggedKV):
+    """The first forward of a storage: allocates each layer's keys / values from the first fresh ones (the model's
+    kv heads, head size and dtype, read from its output) and records which layers attended through it."""
+
+    def __init__(self, storage: SlotStorage, **tensors):
+        super().__init__(storage.keys, storage.values, **tensors)
+        self.storage, self.layers_seen = storage, set()
+
+    def update(self, layer_idx, key, value):
+        if layer_idx not in self.storage.keys:
+            shape = (self.storage.lanes, self.storage.capacity + 1, key.shape[1], key.shape[3])
+            self.storage.keys[layer_idx], self.storage.values[layer_idx] = key.new_zeros(shape), value.new_zeros(shape)
+        return super().update(layer_idx, key, value)
+
+    def attention(self, module, query, key=None, value=None):
+        self.layers_seen.add(module.layer_idx)
+        return super().attention(module, query, key, value)
+
+
+def ragged_forward(model, input_ids, head_index, positions, mask, keys, values, token_lane, token_slot, token_row,
+                   token_qpos, q_index, lanes):
+    """One engine forward: packed queries (1, T) -> logits (b, W, V) at `head_index` (b, W) (packed indices).
+    keys / values: per layer, the storage (lanes, capacity + 1, nkv, hd), updated in place."""
+    cache = RaggedKV(keys, values, token_lane, token_slot, token_row, token_qpos, q_index, mask, lanes)
+    hidden_states = model.model.forward_window(input_ids, None, positions, mask, positions, cache)[0]
+    return model.lm_head(hidden_states[head_index])
+
+
+def first_ragged_forward(model, storage: SlotStorage, input_ids, head_index, positions, mask, **tensors):
+    """`ragged_forward` that allocates the storage; raises when the model's attention ignored the ragged cache."""
+    cache = _Allocating(storage, mask=mask, **tensors)
+    hidden_states = model.model.forward_window(input_ids, None, positions, mask, positions, cache)[0]
+    if not cache.layers_seen or cache.layers_seen != set(storage.keys):
+        raise NotImplementedError(f"{type(model).__name__}: its attention does not take the engine's ragged kv_cache "
+                                  "(`attends`); decode it with model.generate")
+    return model.lm_head(hidden_states[head_index])
+
+
+__all__ = ["RaggedKV", "RaggedStep", "SlotStorage", "bucket", "first_ragged_forward", "ragged_forward"]

@@ -32,7 +32,8 @@ from ..generation.configuration import DLMGenerationConfig
 from ..generation.commit_rules import CommitSettings, decide_step
 from ..generation.row_schedule import RowSchedule
 from ..generation.sampling import finished_rows
-from ..generation.slot_cache import RaggedStep, SlotStorage
+from ..generation.compiled_step import COMPILE_CHOICES, MAX_COMPILED_GRAPHS, StepGraphs, resolve_compile
+from ..generation.slot_cache import RaggedStep, SlotStorage, first_ragged_forward, ragged_forward
 
 
 class QueueFullError(RuntimeError):
@@ -159,7 +160,9 @@ class ContinuousBatchingEngine:
     `start()` to run the loop on a background thread (the server), `cancel(request)` when its client is
     gone, `shutdown()` to drain and stop."""
 
-    def __init__(self, model, max_batch_size: int = 32, max_waiting: int = 256, eos_token_id=None):
+    def __init__(self, model, max_batch_size: int = 32, max_waiting: int = 256, eos_token_id=None, compile=None):
+        """compile: as `DLMGenerationConfig.compile` (True, a torch.compile mode or backend): the step's forward
+        through torch.compile with dynamic sizes, on CUDA replayed as one CUDA graph per bucketed shape."""
         self.model = model
         self.device = next(model.parameters()).device
         self.mask_id = model.config.mask_token_id
@@ -181,7 +184,10 @@ class ContinuousBatchingEngine:
         self.lock = threading.Condition()
         self.stopping = False
         self.thread: threading.Thread | None = None
-        self.checked_attention = False
+        self.compile_choice = resolve_compile(compile, self.device)
+        self.compiled = None if self.compile_choice is None else torch.compile(
+            ragged_forward, dynamic=True, **COMPILE_CHOICES[self.compile_choice])
+        self.graphs, self.graphs_storage = None, None
         # counters read by /metrics
         self.stats = {"forward_passes": 0, "forward_rows": 0, "forward_tokens": 0, "max_forward_rows": 0,
                       "engine_steps": 0, "requests_admitted": 0, "requests_finished": 0, "requests_failed": 0,
@@ -283,29 +289,33 @@ class ContinuousBatchingEngine:
         entries = [(row, row.lane, False) for row in rows]
         entries += [(row, row.uncond_lane, True) for row in rows if row.uncond_lane is not None]
         spans = [row.schedule.query_span() for row, _, _ in entries]
+        compiled = self.compiled is not None and bool(self.storage.keys)  # the first forward allocates, eagerly
         step = RaggedStep(self.storage, [lane for _, lane, _ in entries], [s for s, _ in spans],
                           [e - s for s, e in spans], [row.schedule.length for row, _, _ in entries],
-                          self.attention_mode, self.block_size)
-        canvas_lanes = torch.tensor([row.lane for row, _, _ in entries], device=self.device)  # copies read their row's
-        input_ids = self.storage.canvas[canvas_lanes[step.token_row], step.token_slot]
+                          self.attention_mode, self.block_size, buckets=compiled)
+        tensors = step.tensors
+        canvas_lanes = torch.tensor([row.lane for row, _, _ in entries] + [entries[0][1]] * (step.rows - len(entries)),
+                                    device=self.device)  # a guided copy reads its row's canvas
+        input_ids = self.storage.canvas[canvas_lanes[tensors["token_row"]], tensors["token_slot"]]
         if len(entries) > len(rows):  # unconditional copies see their prompt masked
-            prompt_len = torch.tensor([row.prompt_len if uncond else 0 for row, _, uncond in entries], device=self.device)
-            input_ids = input_ids.masked_fill(step.token_slot < prompt_len[step.token_row], self.mask_id)
-        backbone = self.model.model
-        hidden_states = backbone.forward_window(input_ids.unsqueeze(0), None, step.positions, step.mask,
-                                                step.positions, step)[0]  # (T, H)
-        if not self.checked_attention:  # a model whose attention ignores the ragged cache would mix rows
-            if len(step.layers_seen) != len(self.storage.keys):
-                raise NotImplementedError(f"{type(self.model).__name__}: its attention does not take the engine's "
-                                          "ragged kv_cache (`attends`); serve it through model.generate")
-            self.checked_attention = True
+            prompt_len = torch.zeros(step.rows, dtype=torch.long)
+            prompt_len[len(rows): len(entries)] = torch.tensor([row.prompt_len for row, _, c in entries if c])
+            input_ids = input_ids.masked_fill(tensors["token_slot"] < prompt_len.to(self.device)[tensors["token_row"]],
+                                              self.mask_id)
         width = max(row.params.block_length for row in rows)
-        head_index = []
+        head_index = torch.zeros(step.rows, width, dtype=torch.long)
         for r, (row, _, _) in enumerate(entries):
             start, end = row.schedule.window
             first = step.offsets[r] + start - self.shift - spans[r][0]
-            head_index.append([first + min(i, end - start - 1) for i in range(width)])
-        logits = self.model.lm_head(hidden_states[torch.tensor(head_index, device=self.device)])  # (b, W, V)
+            head_index[r] = first + torch.arange(width).clamp(max=end - start - 1)
+        tensors.update(input_ids=input_ids.unsqueeze(0), head_index=head_index.to(self.device))
+        if not compiled:
+            logits = first_ragged_forward(self.model, self.storage, **tensors) if not self.storage.keys else \
+                ragged_forward(self.model, **tensors, keys=self._layers(self.storage.keys),
+                               values=self._layers(self.storage.values))
+        else:
+            logits = self._compiled_forward(tensors)
+        logits = logits[: len(entries)]
         self._count_forward(len(entries), step.num_tokens)
         if len(entries) == len(rows):
             return logits
@@ -314,6 +324,22 @@ class ContinuousBatchingEngine:
         scale = torch.tensor([rows[i].params.cfg_scale for i in guided], device=self.device, dtype=logits.dtype)
         cond[guided] = uncond + (scale.view(-1, 1, 1) + 1) * (cond[guided] - uncond)
         return cond
+
+    @staticmethod
+    def _layers(store: dict) -> list:
+        return [store[i] for i in range(len(store))]
+
+    def _compiled_forward(self, tensors: dict) -> torch.Tensor:
+        """The compiled step (one Inductor graph with dynamic sizes) and, on CUDA, a CUDA graph per bucketed shape
+        (`StepGraphs`, the sampler's graphs), captured against the current storage: a storage that grew (longer
+        canvas, more lanes) starts new graphs."""
+        storage = (self.storage.canvas.data_ptr(), tuple(self.storage.keys[0].shape))
+        if self.graphs is None or self.graphs_storage != storage:
+            self.graphs = StepGraphs(self.model, enabled=self.device.type == "cuda" and self.compile_choice != "eager")
+            self.graphs_storage = storage
+        keys, values = self._layers(self.storage.keys), self._layers(self.storage.values)
+        with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_GRAPHS):
+            return self.graphs(self.compiled, tensors, keys=keys, values=values)
 
     def _commit(self, rows: list[_Row], logits: torch.Tensor):
         """The core's commit rules, rows with equal settings (and no generator of their own) in one call."""

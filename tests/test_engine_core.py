@@ -155,3 +155,19 @@ def test_compiled_engine_step_with_bucketed_shapes_equals_eager():
     assert results[0] == results[1]
     for ids, o, generated in zip(prompts, options, results[1]):
         assert generated == reference(model, ids, max_new_tokens=12, block_length=4, steps=12, stop_on_eos=False, **o)
+
+
+def test_serving_throughput_benchmark_tiny_core_part(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "serving_throughput.py"), "--tiny", "--parts",
+                    "core", "--out", str(tmp_path)], check=True, env=env, cwd=tmp_path, capture_output=True, timeout=600)
+    report = json.loads((tmp_path / "serving_throughput.json").read_text())
+    assert {(r["setting"], r["arrival"]) for r in report["core"]} == {
+        (s, a) for s in ("one token per step", "threshold 0.9") for a in ("all at once", "one per 2 steps")}
+    assert all(r["forwards"] == r["engine_steps"] for r in report["core"])  # one forward per engine step

@@ -3,7 +3,7 @@
 
     python benchmarks/loader_throughput.py --tokens 40_000_000 --samples 2000
 
-The 1.7B H200 benchmark consumes about 10 samples/s of 4096 tokens (REFERENCE.md: ~39k tokens/s).
+The 1.7B H200 benchmark consumes about 10 samples/s of 4096 tokens (~39k tokens/s).
 """
 
 from __future__ import annotations

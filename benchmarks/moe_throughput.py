@@ -102,7 +102,7 @@ def check_grouped_against_loop(spec: dict, device: str) -> dict:
     return diffs
 
 
-def time_variant(spec: dict, variant: str, device: str, warmup: int, steps: int) -> dict:
+def time_variant(spec: dict, variant: str, device: str, warmup: int, steps: int, profile: bool = False) -> dict:
     model = build(spec, variant, device)
     total, active = sum(p.numel() for p in model.parameters()), active_parameter_count(model)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -124,6 +124,15 @@ def time_variant(spec: dict, variant: str, device: str, warmup: int, steps: int)
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = (time.perf_counter() - start) / steps
+    if profile:  # one more step under the profiler: where the time goes, kernel by kernel
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as profiler:
+            model(input_ids=inputs, labels=labels).loss.backward()
+            model.zero_grad(set_to_none=True)
+        sort_by = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        print(f"profile of one '{variant}' step:\n" + profiler.key_averages().table(sort_by=sort_by, row_limit=18),
+              flush=True)
     tokens = mbs * seq / elapsed
     flops = 6 * active + 12 * spec["common"]["num_hidden_layers"] * spec["common"]["hidden_size"] * seq
     row = {"variant": variant, "params": total, "active_params": active, "step_s": elapsed, "tokens_per_s": tokens,
@@ -141,6 +150,7 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="CPU-sized shapes (debug the script)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--profile", nargs="*", default=[], help="variants to profile for one extra step")
     parser.add_argument("--variants", nargs="+", default=None,
                         help=f"subset to run: {', '.join(ROUTERS)}, each optionally with ' compiled'")
     args = parser.parse_args()
@@ -158,7 +168,7 @@ def main():
         parser.error(f"--variants: unknown {unknown}; choose from {list(ROUTERS)} (optionally + ' compiled')")
     rows = []
     for variant in variants:
-        rows.append(time_variant(spec, variant, device, args.warmup, args.steps))
+        rows.append(time_variant(spec, variant, device, args.warmup, args.steps, variant in args.profile))
         print(json.dumps(rows[-1]), flush=True)
     report["rows"] = rows
     dense = rows[0]["tokens_per_s"]

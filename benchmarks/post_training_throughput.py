@@ -173,8 +173,9 @@ def run_grpo(a, tokenizer, device, out_dir, lora: bool) -> dict:
     batch = a.prompts * a.generations
     args = DiffuGRPOConfig(**common_args(a, device, out_dir), max_steps=a.grpo_steps,
                            per_device_train_batch_size=batch, num_generations=a.generations,
-                           max_completion_length=a.completion, block_length=32, diffusion_steps=a.completion // 2,
-                           generation_cache="dual", learning_rate=1e-6, beta=0.04, logp_estimator="d1")
+                           max_completion_length=a.completion,
+                           generation_kwargs=dict(block_length=32, steps=a.completion // 2, cache="dual"),
+                           learning_rate=1e-6, beta=0.04, logp_estimator="d1")
     trainer = DiffuGRPOTrainer(model=model, reward_funcs=even_ids, args=args, train_dataset=Dataset.from_list(rows),
                                processing_class=tokenizer, peft_config=peft_config, callbacks=[timer.callback])
     rollouts = []

@@ -9,7 +9,10 @@
 2. http: `hf-dlm serve`'s app on a real uvicorn (127.0.0.1): for each number of concurrent clients
    (`--clients`), streamed /v1/completions requests; requests/s, output tokens/s, time to first block,
    latency, rows per forward (from /metrics).
-3. eval: a local multiple-choice task through `lm_eval.simple_evaluate` with the `hf-dlm` model (falls back
+3. float8 (CUDA only): batch-1 `model.generate` (same shape and options, one token per step, dual cache,
+   compiled) with bf16 weights and with float8 weights (`hf_dlm.generation.float8`): tokens/s and the share
+   of tokens equal to bf16 decoding.
+4. eval: a local multiple-choice task through `lm_eval.simple_evaluate` with the `hf-dlm` model (falls back
    to the model's `loglikelihood` when the harness cannot load its datasets here).
 Random weights: answers never end early (stop_on_eos off) and threshold decoding commits about one token
 per step; the figures are the decoder's cost per step.
@@ -32,7 +35,7 @@ import time
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run (tiny model, few requests)")
-    p.add_argument("--parts", default="core,http,eval", help="comma-separated: core, http, eval")
+    p.add_argument("--parts", default="core,float8,http,eval", help="comma-separated: core, float8, http, eval")
     p.add_argument("--shape", default="llada-8b", choices=("llada-8b", "qwen3-1.7b"))
     p.add_argument("--batches", default="16,64")
     p.add_argument("--new-tokens", type=int, default=256)
@@ -311,6 +314,39 @@ def core_benchmark(model, args, report):
         dump(report, args)
 
 
+def float8_benchmark(model, args, report):
+    """Batch-1 decoding with bf16 and float8 weights: tokens/s and the share of tokens equal to bf16's."""
+    import copy
+
+    import torch
+
+    from hf_dlm.generation.float8 import quantize_float8_for_decoding
+
+    if not torch.cuda.is_available():
+        print("float8: skipped (needs a CUDA GPU with float8 tensor cores)")
+        return
+    ids = torch.randint(0, model.config.vocab_size - 3, (1, args.prompt_tokens),
+                        generator=torch.Generator().manual_seed(1)).to(next(model.parameters()).device)
+    options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, steps=args.new_tokens,
+                   cache="dual", temperature=0.0, stop_on_eos=False, compile=compile_value(args))
+    rows = {}
+    for name in ("bf16", "float8"):
+        target = model if name == "bf16" else quantize_float8_for_decoding(copy.deepcopy(model))
+        for _ in range(2):  # the first run compiles and captures
+            _sync()
+            start = time.perf_counter()
+            out = target.generate(ids, **options)
+            _sync()
+            wall = time.perf_counter() - start
+        rows[name] = (out[0, args.prompt_tokens:], args.new_tokens / wall)
+        del target
+    same = float((rows["float8"][0] == rows["bf16"][0]).float().mean())
+    report["float8"] = {"batch": 1, "bf16_tok_s": round(rows["bf16"][1], 1), "float8_tok_s": round(rows["float8"][1], 1),
+                        "tokens_equal_to_bf16": round(same, 3)}
+    print(json.dumps(report["float8"]), flush=True)
+    dump(report, args)
+
+
 def dump(report, args):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "serving_throughput.json"), "w") as f:
@@ -328,13 +364,15 @@ def main():
 
     model, tokenizer, device = build(args)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "args": vars(args),
-              "core": [], "serve": [], "eval": None}
+              "core": [], "float8": None, "serve": [], "eval": None}
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}e9 parameters on {report['device']}")
     with torch.inference_mode():
         if "core" in parts:
             core_benchmark(model, args, report)
         if "http" in parts:
             serve_benchmark(model, tokenizer, args, report)
+        if "float8" in parts:
+            float8_benchmark(model, args, report)
     dump(report, args)
     if "eval" in parts:
         with torch.inference_mode():

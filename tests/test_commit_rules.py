@@ -7,7 +7,7 @@ import torch
 from hf_dlm.generation.commit_rules import (COMMIT_RULES, CommitSettings, decide_step, entropy_bound_commits,
                                             factor_commits)
 
-from .conftest import MASK_ID, tiny_model
+from tests.utils import MASK_ID, tiny_model
 
 
 # ---- transcriptions -----------------------------------------------------------------------------------------

@@ -163,16 +163,13 @@ def test_hf_stream_packs_streaming_datasets_and_resumes(tmp_path):
     assert [s["sample_index"] for s in resumed] == list(range(2, 8))
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
 @pytest.fixture(scope="module")
 def chat_tokenizer():
     from hf_dlm.data.corpus import stdlib_documents, train_bpe_tokenizer
+    from tests.utils import SFT_CHAT_TEMPLATE
 
     tokenizer = train_bpe_tokenizer([d[:300] for d in stdlib_documents(max_files=10)[:40]], vocab_size=300)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = SFT_CHAT_TEMPLATE
     return tokenizer
 
 
@@ -184,13 +181,13 @@ def test_sft_prompt_mask_and_both_padding_policies(chat_tokenizer):
                           {"role": "assistant", "content": "A loop."}]}]
     prompt = tok("<|user|>What is a for statement?<|endoftext|><|assistant|>", add_special_tokens=False)["input_ids"]
     answer = tok("A loop.<|endoftext|>", add_special_tokens=False)["input_ids"]
-    eos = SFTDataset(rows, tok, SFTDataConfig(max_length=48, padding="eos"))[0]
+    eos = SFTDataset(rows, tok, SFTDataConfig(max_length=48, padding_policy="eos"))[0]
     used = len(prompt) + len(answer)
     assert eos["input_ids"][:used].tolist() == prompt + answer
     assert (eos["input_ids"][used:] == tok.eos_token_id).all() and eos["attention_mask"].all()
     assert eos["prompt_mask"].tolist() == [True] * len(prompt) + [False] * (48 - len(prompt))
     assert eos["position_ids"].tolist() == list(range(48)) and eos["sample_index"] == 0
-    excl = SFTDataset(rows, tok, SFTDataConfig(max_length=48, padding="exclude"))[0]
+    excl = SFTDataset(rows, tok, SFTDataConfig(max_length=48, padding_policy="exclude"))[0]
     assert (excl["input_ids"][used:] == tok.pad_token_id).all()
     assert excl["attention_mask"].tolist() == [1] * used + [0] * (48 - used)
     # the objective never noises prompt tokens, and trains on EOS padding only under the "eos" policy
@@ -208,13 +205,13 @@ def test_sft_prompt_mask_and_both_padding_policies(chat_tokenizer):
     assert all(torch.equal(from_hf[key], eos[key]) for key in ("input_ids", "attention_mask", "prompt_mask"))
     with pytest.raises(ValueError, match="row 0: the prompt has"):
         SFTDataset(rows, tok, SFTDataConfig(max_length=len(prompt)))[0]
-    with pytest.raises(ValueError, match="padding must be one of"):
-        SFTDataConfig(padding="left")
+    with pytest.raises(ValueError, match="padding_policy must be one of"):
+        SFTDataConfig(padding_policy="left")
 
 
 def test_packed_batches_drive_the_model_and_documents_stay_apart(tmp_path):
     from hf_dlm.diffusion.objective import MaskedDiffusionObjective
-    from tests.conftest import MASK_ID, tiny_model
+    from tests.utils import MASK_ID, tiny_model
 
     rng = np.random.default_rng(1)
     prefix = write_docs(tmp_path / "m", [rng.integers(0, MASK_ID, size=n) for n in (5, 30, 11, 9, 40, 17)])

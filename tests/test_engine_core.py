@@ -7,7 +7,7 @@ import torch
 
 from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
 
-from .conftest import tiny_model
+from tests.utils import tiny_model
 
 
 def reference(model, prompt_ids, seed=None, **options):
@@ -171,3 +171,16 @@ def test_serving_throughput_benchmark_tiny_core_part(tmp_path):
     assert {(r["setting"], r["arrival"]) for r in report["core"]} == {
         (s, a) for s in ("one token per step", "threshold 0.9") for a in ("all at once", "one per 2 steps")}
     assert all(r["forwards"] == r["engine_steps"] for r in report["core"])  # one forward per engine step
+
+
+def test_float8_decoding_takes_the_decoder_projections_and_refuses_without_a_float8_gpu():
+    from hf_dlm.generation.float8 import float8_decoding_filter, quantize_float8_for_decoding
+
+    model = tiny_model("sdpa")
+    taken = {name for name, module in model.named_modules() if float8_decoding_filter(module, name)}
+    assert "model.layers.0.self_attn.q_proj" in taken and "model.layers.1.mlp.down_proj" in taken
+    assert "lm_head" not in taken and not any("embed" in name or "norm" in name for name in taken)
+    if not torch.cuda.is_available():
+        pytest.importorskip("torchao")
+        with pytest.raises(RuntimeError, match="compute capability >= 8.9"):
+            quantize_float8_for_decoding(model)

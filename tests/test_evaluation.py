@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .serving_utils import save_tiny_checkpoint
+from tests.utils import save_tiny_checkpoint
 
 pytest.importorskip("lm_eval")
 
@@ -198,6 +198,62 @@ def test_eval_command_writes_results_and_names_unknown_tasks(setup, tmp_path, ca
     assert "tiny_choice" in capsys.readouterr().out
     results = json.loads(output.read_text())["results"]["tiny_choice"]
     assert 0.0 <= results["acc,none"] <= 1.0
+
+
+def llada_suffix_greedy_prediction(model, prefix, target, mask_id):
+    """LLaDA eval_llada.py `suffix_greedy_prediction` (batch 1, no CFG), from its description: start from
+    prefix + len(target) masks; len(target) times: x0 = argmax of the masked positions' logits, confidence =
+    softmax(x0); keep x0 only at the most confident masked position; finally compare with the target."""
+    seq = torch.full((1, len(prefix) + len(target)), mask_id)
+    seq[0, :len(prefix)] = torch.tensor(prefix)
+    for _ in range(len(target)):
+        mask_index = seq == mask_id
+        with torch.no_grad():
+            logits = model(input_ids=seq).logits[mask_index]
+        x0 = torch.argmax(logits, dim=-1)
+        p = torch.softmax(logits.to(torch.float32), dim=-1)
+        confidence = torch.gather(p, dim=-1, index=x0.unsqueeze(-1)).squeeze(-1)
+        _, index = torch.sort(confidence, descending=True)
+        x0[index[1:]] = mask_id
+        seq[mask_index] = x0.clone()
+    return bool((torch.tensor(target) == seq[0, len(prefix):]).all()), seq[0, len(prefix):].tolist()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_iterative_greedy_check_is_llada_suffix_greedy_prediction(seed):
+    """greedy_check="iterative" equals LLaDA's suffix_greedy_prediction on tiny models, batched with mixed
+    lengths and right padding; targets include each model's own iterative decode (greedy) and perturbations."""
+    from hf_dlm.evaluation.lm_eval_model import DLMEvalHarness
+
+    from tests.utils import MASK_ID, VOCAB, tiny_model
+
+    model = tiny_model(seed=seed)
+    tokenizer = type("Tok", (), {"eos_token_id": 0, "bos_token_id": None, "pad_token_id": 0})()
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for n in range(8):
+        prefix = torch.randint(1, VOCAB - 1, (int(torch.randint(2, 7, (1,), generator=generator)),),
+                               generator=generator).tolist()
+        length = int(torch.randint(1, 5, (1,), generator=generator))
+        _, decoded = llada_suffix_greedy_prediction(model, prefix, [1] * length, MASK_ID)
+        target = decoded if n % 2 == 0 else decoded[:-1] + [(decoded[-1] + 1) % (VOCAB - 1)]
+        pairs.append((prefix, target))
+    lm = DLMEvalHarness(model=model, tokenizer=tokenizer, mc_num=1, batch_size=8, greedy_check="iterative")
+    ours = [greedy for _, greedy in lm._score(pairs)]
+    expected = [llada_suffix_greedy_prediction(model, p, t, MASK_ID)[0] for p, t in pairs]
+    assert ours == expected and any(expected) and not all(expected)
+    # the default one-forward check is another test: it accepts a different set (here or on another seed)
+    one_forward = [greedy for _, greedy in DLMEvalHarness(model=model, tokenizer=tokenizer, mc_num=1,
+                                                          batch_size=8)._score(pairs)]
+    if seed == 0:
+        assert one_forward != expected
+
+
+def test_greedy_check_is_validated_by_name(setup):
+    from hf_dlm.utils.errors import FieldError
+
+    with pytest.raises(FieldError, match="greedy_check"):
+        make_lm(setup, greedy_check="sometimes")
 
 
 @pytest.mark.parametrize("rule", [dict(factor=1.0, cache="dual"), dict(threshold=0.5, editing_threshold=0.3)])

@@ -12,8 +12,8 @@ from hf_dlm import DLMConfig, DLMForDiffusionLM
 from hf_dlm.conversion.convert import ConversionOptions, convert_checkpoint, load_as_dlm
 from hf_dlm.modeling.moe import DLMSparseMoeBlock, router_aux_losses
 from hf_dlm.modeling.modeling_dlm import DLMMLP
-from .conftest import tiny_config, tiny_model
-from .test_conversion import randomize
+from tests.utils import tiny_config, tiny_model
+from tests.utils import randomize
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 
@@ -47,9 +47,17 @@ def test_block_equals_token_by_token_routing(norm_topk_prob, shared):
     with torch.no_grad():
         for parameter in block.parameters():
             parameter.normal_(0, 0.3)
-    x = torch.randn(2, 5, 32)
+    x = torch.randn(2, 5, 32, requires_grad=True)
     expected = _token_by_token(block, x.reshape(-1, 32)).reshape(2, 5, 32)
-    torch.testing.assert_close(block(x), expected, atol=1e-5, rtol=0)
+    out = block(x)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    # and the gradients of the input, the router and the experts (the dispatch / combine have their own backward)
+    cotangent = torch.randn_like(out)
+    parameters = [x] + list(block.parameters())
+    grads = torch.autograd.grad((out * cotangent).sum(), parameters)
+    expected_grads = torch.autograd.grad((expected * cotangent).sum(), parameters)
+    for name, grad, want in zip(["input"] + [n for n, _ in block.named_parameters()], grads, expected_grads):
+        torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_block_on_a_hand_built_case():
@@ -204,7 +212,7 @@ def test_trainer_averages_router_losses_over_accumulation_and_logs_them(tmp_path
     the mean of the micro-batches' router losses, and the log shows their unweighted losses."""
     import copy
 
-    from .trainer_utils import RecordingTrainer, make_args, random_dataset
+    from tests.utils import RecordingTrainer, make_args, random_dataset
 
     model = tiny_model(**MOE, router_aux_loss_coef=0.5, router_z_loss_coef=0.1).train()
     initial = copy.deepcopy(model)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hf_dlm import MaskedDiffusionObjective
 from hf_dlm.diffusion.noise import hashed_uniform
 
-from .conftest import MASK_ID, VOCAB, tiny_model
+from tests.utils import MASK_ID, VOCAB, tiny_model
 
 B, L = 4, 12
 IDS = torch.randint(0, VOCAB - 2, (B, L), generator=torch.Generator().manual_seed(1))
@@ -71,31 +71,115 @@ def test_llada_sft_divides_each_row_by_its_answer_length(model):
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_mdlm_is_the_nelbo_per_real_token(model):
-    """MDLM `_loss`: nlls = (-log p * 1/t on masked tokens, 0 elsewhere) * attention_mask;
-    loss = nlls.sum() / attention_mask.sum(); t stratified over the batch (`_sample_t`)."""
+def _mdlm_subs_nelbo(logits, x0, xt, t, attention_mask, mask_index, noise_eps=0.0):
+    """MDLM (kuleshov-group/mdlm diffusion.py), transcribed from its equations in float64:
+    `_subs_parameterization`: logits[..., mask] += -1e6; log-softmax; at unmasked positions the log-prob of
+    x_t's own token is 0 (all others -inf). `_forward_pass_diffusion` (subs): loss = -log p_theta(x0) *
+    dsigma / expm1(sigma) with LogLinearNoise sigma(t) = -log1p(-(1 - eps) t), dsigma = (1 - eps) / (1 - (1 - eps) t).
+    `_loss`: nlls = loss * attention_mask; token_nll = nlls.sum() / attention_mask.sum()."""
+    logits = logits.double().clone()
+    logits[:, :, mask_index] += -1000000.0
+    log_p = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    unmasked = xt != mask_index
+    log_p[unmasked] = -1000000.0
+    log_p[unmasked, xt[unmasked]] = 0.0
+    log_p_theta = torch.gather(log_p, -1, x0[:, :, None]).squeeze(-1)
+    t = t.double()
+    sigma = -torch.log1p(-(1 - noise_eps) * t)
+    dsigma = (1 - noise_eps) / (1 - (1 - noise_eps) * t)
+    loss = -log_p_theta * (dsigma / torch.expm1(sigma))[:, None]
+    nlls = loss * attention_mask
+    return nlls.sum() / attention_mask.sum()
+
+
+def _large_mask_logit_model():
+    """A tiny model whose [MASK] logit is the largest at most positions (the case SUBS changes most)."""
+    model = tiny_model(seed=5)
+    with torch.no_grad():
+        hidden = model.model(input_ids=IDS).last_hidden_state.reshape(-1, model.config.hidden_size)
+        model.lm_head.weight[MASK_ID] = 10.0 * hidden.mean(0) / hidden.mean(0).norm()
+    return model
+
+
+def test_mdlm_is_the_subs_nelbo_per_real_token():
+    """The `mdlm` preset equals MDLM's SUBS NELBO per real token (padding present) on a model whose [MASK]
+    logit is the largest; without SUBS the two differ by far more."""
+    model = _large_mask_logit_model()
     attention = torch.ones(B, L, dtype=torch.long)
     attention[1, 9:], attention[3, 4:] = 0, 0
     objective = MaskedDiffusionObjective.from_preset("mdlm", mask_token_id=MASK_ID)
+    assert objective.subs
     slot = torch.arange(B)  # INDEX is increasing
     t = 1e-3 + (1 - 1e-3) * ((hashed_uniform(0, 0, INDEX) / B + slot / B) % 1)
     masked = (hashed_uniform(0, 1, INDEX, torch.arange(L)) < t[:, None]) & attention.bool()
-    ce = _token_ce(model, torch.where(masked, MASK_ID, IDS), attention)
-    nlls = ce * masked / t[:, None] * attention
-    expected = nlls.sum() / attention.sum()
+    xt = torch.where(masked, MASK_ID, IDS)
+    with torch.no_grad():
+        logits = model(input_ids=xt, attention_mask=attention).logits
+    assert (logits.argmax(-1) == MASK_ID).float().mean() > 0.5
+    expected = _mdlm_subs_nelbo(logits, IDS, xt, t, attention, MASK_ID)
     loss, inputs = _run(objective, model, attention_mask=attention)
     torch.testing.assert_close(inputs["t"], t)
     assert torch.equal(inputs["masked"], masked) and inputs["num_items_in_batch"] == attention.sum()
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-    # the scale a user compares with an evaluation NLL: an untrained model is near log V per token
+    assert abs(loss.double().item() - expected.item()) <= 1e-6 * expected.item()
+    # the same under training (the head's fused gradient path) and its gradient matches the transcription's
+    model.train()
+    trained, _ = objective(model, IDS, INDEX, attention_mask=attention)
+    assert abs(trained.double().item() - expected.item()) <= 1e-6 * expected.item()
+    # without SUBS (the softmax keeps [MASK]) the loss is far from MDLM's
+    plain, _ = _run(MaskedDiffusionObjective.from_preset("mdlm", mask_token_id=MASK_ID, subs=False), model,
+                    attention_mask=attention)
+    assert plain.item() > 1.2 * expected.item()
+
+
+def test_mdlm_subs_gradient_equals_the_transcription():
+    """d loss / d lm_head of the fused training head with SUBS equals autograd through the transcription."""
+    model = _large_mask_logit_model().train()
+    attention = torch.ones(B, L, dtype=torch.long)
+    attention[2, 7:] = 0
+    objective = MaskedDiffusionObjective.from_preset("mdlm", mask_token_id=MASK_ID)
+    loss, inputs = objective(model, IDS, INDEX, attention_mask=attention)
+    loss.backward()
+    ours = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    logits = model(input_ids=inputs["input_ids"], attention_mask=attention).logits
+    _mdlm_subs_nelbo(logits, IDS, inputs["input_ids"], inputs["t"], attention, MASK_ID).backward()
+    assert ours[MASK_ID].abs().max() == 0  # [MASK] is never predicted: its row gets no gradient
+    torch.testing.assert_close(ours, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_subs_elbo_evaluation_removes_mask_from_the_softmax():
+    """`elbo_nll(subs=True)` scores every masked token with [MASK] out of the softmax (LLaDA's estimator on
+    the SUBS model): equal to the bound recomputed by hand from the same draws."""
+    from hf_dlm.diffusion.elbo import _row_seeded_masks, elbo_nll
+
+    model = _large_mask_logit_model()
+    attention = torch.ones(B, L, dtype=torch.long)
+    attention[0, 8:] = 0
+    seeds, mc = [3, 4, 5, 6], 4
+    result = elbo_nll(model, IDS, attention, mc_num=mc, row_seeds=seeds, subs=True)
+    plain = elbo_nll(model, IDS, attention, mc_num=mc, row_seeds=seeds)
+    masks = _row_seeded_masks(attention.bool(), seeds, mc)
+    expected = torch.zeros(B, dtype=torch.float64)
+    for k in range(mc):
+        with torch.no_grad():
+            logits = model(input_ids=torch.where(masks[k], MASK_ID, IDS), attention_mask=attention).logits.double()
+        logits[..., MASK_ID] = float("-inf")
+        ce = F.cross_entropy(logits.transpose(1, 2), IDS, reduction="none")
+        expected += (ce * masks[k]).sum(1) * attention.sum(1) / masks[k].sum(1) / mc
+    torch.testing.assert_close(result["per_sequence"], expected, rtol=1e-5, atol=1e-6)
+    assert (plain["per_sequence"] > result["per_sequence"] + 0.1).all()
+
+
+def test_mdlm_is_the_nelbo_per_real_token(model):
+    """Scale check: an untrained model's NELBO per token under the `mdlm` preset is near log V."""
     fresh = MaskedDiffusionObjective.from_preset("mdlm", mask_token_id=MASK_ID)
     zero = tiny_model()
     torch.nn.init.zeros_(zero.lm_head.weight)
     ids = torch.randint(0, VOCAB - 1, (64, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         nelbo, _ = fresh(zero, ids, torch.arange(64))
-    # E_t[(1/t) * P(masked | t)] = 1: the NELBO per token of a uniform model is log V (here within 5%)
-    assert nelbo.item() == pytest.approx(math.log(VOCAB), rel=0.05)
+    # E_t[(1/t) * P(masked | t)] = 1: the NELBO per token of a uniform model over V - 1 tokens (SUBS) is log(V - 1)
+    assert nelbo.item() == pytest.approx(math.log(VOCAB - 1), rel=0.05)
 
 
 def test_megadlms_weights_by_the_measured_fraction_and_forces_a_mask(model):
@@ -224,3 +308,17 @@ def test_every_preset_names_its_source():
     for name, words in (("llada", "LLaDA"), ("mdlm", "kuleshov-group/mdlm"), ("megadlms", "MegaDLMs"), ("ar", "AR")):
         comment = source[source.index(f'    "{name}": dict') - 400: source.index(f'    "{name}": dict')]
         assert words in comment, name
+
+
+def test_trainers_pass_subs_to_the_model():
+    """The trainers' model inputs (`corrupted_model_inputs`) carry SUBS: their loss equals the objective's."""
+    from hf_dlm.training.trainer import corrupted_model_inputs
+
+    model = _large_mask_logit_model()
+    objective = MaskedDiffusionObjective.from_preset("mdlm", mask_token_id=MASK_ID)
+    batch = {"input_ids": IDS, "sample_index": INDEX}
+    inputs, corrupted = corrupted_model_inputs(objective, batch, "cpu", (INDEX, B), "bidirectional")
+    expected, _ = _run(objective, model)
+    with torch.no_grad():
+        loss = model(**inputs, num_items_in_batch=corrupted["num_items_in_batch"]).loss
+    torch.testing.assert_close(loss, expected)

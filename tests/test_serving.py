@@ -15,8 +15,8 @@ import torch
 
 from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
 
-from .conftest import tiny_model
-from .serving_utils import ThreadedServer, free_port, save_tiny_checkpoint
+from tests.utils import tiny_model
+from tests.utils import ThreadedServer, free_port, save_tiny_checkpoint
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")

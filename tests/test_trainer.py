@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_dlm.training.trainer import DATA_STATE_NAME, STAGING_DIR
-from tests.conftest import VOCAB
-from tests.trainer_utils import SEQ_LEN, StopAfter, flat_params, make_trainer, random_dataset, window_stream
+from tests.utils import VOCAB
+from tests.utils import SEQ_LEN, StopAfter, flat_params, make_trainer, random_dataset, window_stream
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +96,8 @@ def test_logs_throughput_mfu_masked_fraction_and_ce_by_t(tmp_path):
     masked = batch["labels"] != -100
     assert math.isclose(log["masked_fraction"], masked.float().mean().item(), rel_tol=1e-6)
     logits = initial(input_ids=batch["input_ids"]).logits  # (B, L, V)
+    if trainer.objective.subs:  # the default preset (mdlm) removes [MASK] from the softmax (MDLM's SUBS)
+        logits[..., trainer.objective.mask_token_id] = float("-inf")
     ce = F.cross_entropy(logits.transpose(1, 2), batch["labels"].clamp(min=0), reduction="none") * masked
     t = batch["_dlm_stats"]["t"]
     for lo, hi in ((0.0, 0.5), (0.5, 1.0)):
@@ -115,7 +117,9 @@ def test_evaluate_reports_the_elbo_bound(tmp_path):
     eval_set = random_dataset(8, seed=1)
     metrics = trainer.evaluate(eval_set)
     model = trainer.model.eval()
-    parts = [elbo_nll(model, eval_set.input_ids[i:i + 4], mc_num=2, seed=step) for step, i in enumerate((0, 4))]
+    assert trainer.objective.subs  # the default preset's SUBS reaches the evaluation
+    parts = [elbo_nll(model, eval_set.input_ids[i:i + 4], mc_num=2, seed=step, subs=True)
+             for step, i in enumerate((0, 4))]
     expected = sum(float(p["per_sequence"].sum()) for p in parts) / (8 * SEQ_LEN)
     assert math.isclose(metrics["eval_nll_per_token"], expected, rel_tol=1e-5)
     assert metrics["eval_num_tokens"] == 8 * SEQ_LEN and metrics["eval_loss"] == metrics["eval_nll_per_token"]
@@ -195,7 +199,9 @@ def test_compile_blocks_and_fp8_recipe_go_through_parallelize(tmp_path, monkeypa
     from hf_dlm.parallel import parallelize
 
     calls = []
-    monkeypatch.setattr(parallelize, "parallelize_dlm", lambda model, **kw: calls.append(kw) or model)
+    names = ("float8_recipe", "float8_fast_accum", "float8_min_features", "low_precision_residual", "compile")
+    monkeypatch.setattr(parallelize, "parallelize_dlm",
+                        lambda model, options: calls.append({k: getattr(options, k) for k in names}) or model)
     make_trainer(tmp_path / "fp8", fp8_recipe="rowwise")
     make_trainer(tmp_path / "fp8-fast", fp8_recipe="tensorwise", fp8_fast_accum=True)
     make_trainer(tmp_path / "residual", bf16=True, low_precision_residual=True)

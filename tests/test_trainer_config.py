@@ -28,7 +28,7 @@ def test_bad_argument_values_name_the_field(tmp_path, field, value):
 def test_every_field_has_help_and_the_objective_follows_the_arguments(tmp_path):
     import dataclasses
 
-    from tests.conftest import tiny_config
+    from tests.utils import tiny_config
 
     for f in dataclasses.fields(DLMTrainingArguments):
         assert f.metadata.get("help"), f"{f.name} has no help text"

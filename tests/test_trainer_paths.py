@@ -10,9 +10,8 @@ from hf_dlm import MaskedDiffusionObjective
 from hf_dlm.data.memory_dataset import TokenWindowDataset, pack_documents
 from hf_dlm.diffusion.elbo import elbo_nll
 from hf_dlm.training.trainer import DLMTrainer
-from tests.conftest import MASK_ID, VOCAB, tiny_model
-from tests.test_pretrain_data import tokenizer_dir  # noqa: F401  (fixture)
-from tests.trainer_utils import RecordingTrainer, make_args
+from tests.utils import MASK_ID, VOCAB, tiny_model
+from tests.utils import RecordingTrainer, make_args
 
 N, L = 8, 16
 
@@ -52,8 +51,8 @@ def test_trainer_and_evaluate_on_packed_windows_use_position_ids(tmp_path):
 
     metrics = trainer.evaluate(TokenWindowDataset(ids, positions))
     trained = trainer.model.eval()
-    bound = elbo_nll(trained, ids, mc_num=2, seed=0, batch_size=N, position_ids=positions)
-    plain = elbo_nll(trained, ids, mc_num=2, seed=0, batch_size=N)
+    bound = elbo_nll(trained, ids, mc_num=2, seed=0, batch_size=N, position_ids=positions, subs=True)
+    plain = elbo_nll(trained, ids, mc_num=2, seed=0, batch_size=N, subs=True)
     assert metrics["eval_nll_per_token"] == pytest.approx(float(bound["per_sequence"].sum() / bound["num_tokens"]),
                                                           rel=1e-5)
     assert metrics["eval_nll_per_token"] != pytest.approx(float(plain["per_sequence"].sum() / plain["num_tokens"]),
@@ -74,7 +73,8 @@ def test_block_diffusion_training_through_the_trainer_is_the_two_stream_objectiv
     keys = torch.tensor(trainer.sample_indices[:N])
     inputs = MaskedDiffusionObjective.from_model_config(initial.config, preset="mdlm").corrupt(ids[keys % N], keys)
     with torch.no_grad():  # without the clean stream the loss is another number: the comparison has teeth
-        one_stream = initial(**{k: inputs[k] for k in ("input_ids", "labels", "label_weights", "num_items_in_batch")})
+        one_stream = initial(**{k: inputs[k] for k in ("input_ids", "labels", "label_weights", "num_items_in_batch",
+                                                 "suppressed_token_id")})
     assert not torch.isclose(one_stream.loss, expected)
 
 
@@ -87,7 +87,7 @@ def test_sft_with_excluded_padding_never_attends_noises_or_supervises_padding_or
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir[0])
     rows = [{"messages": [{"role": "user", "content": f"What does statement {i} do?" + " yes" * (i % 2)},
                           {"role": "assistant", "content": "It runs a loop." * (1 + i % 3)}]} for i in range(6)]
-    dataset = SFTDataset(rows, tokenizer, SFTDataConfig(max_length=96, padding="exclude"))
+    dataset = SFTDataset(rows, tokenizer, SFTDataConfig(max_length=96, padding_policy="exclude"))
     model = tiny_model(seed=3, vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id).train()
     args = make_args(tmp_path, per_device_train_batch_size=6, max_steps=1, eps=0.9)  # t >= 0.9: most answers masked
     trainer = DLMTrainer(model=model, args=args, train_dataset=dataset,

@@ -16,7 +16,9 @@ def add_arguments(parser):
     parser.add_argument("--model", required=True, help="checkpoint folder or Hub id (model and tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None, help="name in /v1/models (default: --model)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="name(s) in /v1/models that requests may use; the first one is named in responses "
+                             "(default: --model)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="weights' dtype (auto: bfloat16 on cuda, float32 on cpu)")
@@ -28,28 +30,11 @@ def add_arguments(parser):
     parser.add_argument("--default-max-tokens", type=int, default=64, help="max_tokens when a request has none")
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on /v1/* (default: $HF_DLM_API_KEY, else none)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template file for /v1/chat/completions (default: the tokenizer's own)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM / Ctrl-C, seconds open requests may still run before they are answered 503")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-
-
-def load_model(path: str, device: str | None = None, dtype: str = "auto", peft: str | None = None):
-    """(model, tokenizer) in eval mode on `device`; a LoRA adapter is merged into the weights."""
-    import torch
-    from transformers import AutoModelForMaskedLM, AutoTokenizer
-
-    import hf_dlm  # noqa: F401  (registers the DLM Auto classes)
-
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = AutoModelForMaskedLM.from_pretrained(path, dtype=torch_dtype)
-    if peft:
-        from ..utils.import_utils import require
-
-        require("peft", "loading a LoRA adapter")
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, peft).merge_and_unload()
-    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
 
 
 def run(args) -> int:
@@ -57,17 +42,23 @@ def run(args) -> int:
 
     require("fastapi", "hf-dlm serve")
     require("uvicorn", "hf-dlm serve")
-    import uvicorn
 
-    from ..serving.app import ServerSettings, create_app
+    from ..hub.loading import load_model
+    from ..serving.app import ServerSettings, create_app, serve
     from ..serving.engine import ContinuousBatchingEngine
 
     model, tokenizer = load_model(args.model, args.device, args.dtype, args.peft)
     engine = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=args.max_queue,
                                       eos_token_id=tokenizer.eos_token_id)
-    settings = ServerSettings(model_name=args.served_model_name or args.model, max_prompt_tokens=args.max_prompt_tokens,
+    names = args.served_model_name or [args.model]
+    chat_template = None
+    if args.chat_template:
+        with open(args.chat_template, encoding="utf-8") as file:
+            chat_template = file.read()
+    settings = ServerSettings(model_name=names[0], aliases=tuple(names[1:]), max_prompt_tokens=args.max_prompt_tokens,
                               max_output_tokens=args.max_output_tokens, default_max_tokens=args.default_max_tokens,
-                              api_key=args.api_key or os.environ.get("HF_DLM_API_KEY") or None)
+                              api_key=args.api_key or os.environ.get("HF_DLM_API_KEY") or None,
+                              drain_timeout=args.drain_timeout, chat_template=chat_template)
     app = create_app(engine, tokenizer, settings, log=lambda line: print(line, flush=True))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    serve(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

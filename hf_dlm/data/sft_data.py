@@ -4,7 +4,7 @@ The prompt is everything the chat template renders before the last assistant mes
 generation prompt, e.g. `<|im_start|>assistant\\n`); the response is the rest. Prompt tokens are never
 noised and carry no loss (`MaskedDiffusionObjective.corrupt` reads `prompt_mask`).
 
-Padding policy (`padding`), the choice peers disagree on, explicit here:
+Padding policy (`padding_policy`, the spelling `DLMSFTConfig` shares), the choice peers disagree on, explicit here:
   "eos" (default, LLaDA): pad to `max_length` with the EOS token, attention_mask all ones. The padding
         is part of the response: it is noised and trained on, so the model learns to fill the rest of
         the canvas with EOS, i.e. to stop. Use it for models sampled LLaDA-style (fixed-length canvas).
@@ -15,9 +15,12 @@ Padding policy (`padding`), the choice peers disagree on, explicit here:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 from torch.utils.data import Dataset
+
+from ..utils.errors import FieldError
 
 PADDING_POLICIES = ("eos", "exclude")
 
@@ -25,14 +28,24 @@ PADDING_POLICIES = ("eos", "exclude")
 @dataclasses.dataclass
 class SFTDataConfig:
     max_length: int = dataclasses.field(default=1024, metadata={"help": "every sample is padded / truncated to this"})
-    padding: str = dataclasses.field(
+    padding_policy: str = dataclasses.field(
         default="eos", metadata={"help": "'eos': pad with EOS and train on it (LLaDA; the model learns to stop); "
                                          "'exclude': pad with the pad token, masked out of attention and loss"})
     messages_key: str = dataclasses.field(default="messages", metadata={"help": "column holding the chat messages"})
+    padding: str | None = dataclasses.field(
+        default=None, metadata={"help": "Deprecated spelling of padding_policy (FutureWarning)."})
 
     def __post_init__(self):
-        if self.padding not in PADDING_POLICIES:
-            raise ValueError(f"padding must be one of {PADDING_POLICIES}, got {self.padding!r}")
+        if self.padding is not None:
+            warnings.warn("SFTDataConfig.padding is deprecated: use padding_policy (the spelling of DLMSFTConfig)",
+                          FutureWarning, stacklevel=3)
+            if self.padding_policy not in ("eos", self.padding):  # both spellings, disagreeing
+                raise FieldError("padding", f"padding={self.padding!r} disagrees with padding_policy="
+                                            f"{self.padding_policy!r}; set padding_policy only", self.padding)
+            self.padding_policy, self.padding = self.padding, None
+        if self.padding_policy not in PADDING_POLICIES:
+            raise FieldError("padding_policy", f"padding_policy must be one of {PADDING_POLICIES}, "
+                                               f"got {self.padding_policy!r}", self.padding_policy)
 
 
 def tokenize_conversation(messages: list[dict], tokenizer, config: SFTDataConfig) -> dict:
@@ -57,7 +70,7 @@ def tokenize_conversation(messages: list[dict], tokenizer, config: SFTDataConfig
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens, no room for a response in max_length={length}")
     ids = (prompt_ids + response_ids)[:length]
     used = len(ids)
-    if config.padding == "eos":
+    if config.padding_policy == "eos":
         pad_id, attention = tokenizer.eos_token_id, [1] * length
     else:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -25,6 +25,7 @@ def elbo_nll(
     batch_size: int = 32,
     position_ids: torch.Tensor | None = None,
     row_seeds: list[int] | None = None,
+    subs: bool = False,
 ) -> dict:
     """Bound on the NLL of the scored tokens (real, non-prompt tokens) of every row.
 
@@ -34,6 +35,8 @@ def elbo_nll(
     row_seeds (N,): each row draws its masks from its own generator seeded so, over its scored tokens
     only, so a row's bound does not depend on the batch it is in, its order or its padding (lm-eval
     scores must not change with the batch size); without them one generator seeded by `seed` serves all.
+    subs: MDLM's SUBS parameterisation, [MASK] removed from the softmax (for models trained with the
+    objective's `subs=True`, the `mdlm` preset).
     Returns {"nll_per_token": nats/token over all scored tokens, "perplexity_bound", "num_tokens",
     "per_sequence": (N,) bound in nats}.
     """
@@ -62,7 +65,10 @@ def elbo_nll(
                 noisy, attention_mask=None if attention_mask is None else valid.long(),
                 position_ids=None if position_ids is None else position_ids[start : start + batch_size].to(device),
             )
-            ce = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")  # (B, L)
+            logits = logits.float()
+            if subs:
+                logits[..., mask_id] = float("-inf")
+            ce = F.cross_entropy(logits.transpose(1, 2), ids, reduction="none")  # (B, L)
             estimate = (ce * masked).sum(1).double() * n_scored.double() / n_masked.clamp(min=1).double()
             bound += torch.where(n_scored > 0, estimate, 0.0) / mc_num
         totals.append(bound.cpu())

@@ -32,8 +32,10 @@ PRESETS = {
                   random_length_prob=0.01),
     # MDLM (kuleshov-group/mdlm diffusion.py `_sample_t`, `_loss`): antithetic (stratified) t over the
     # batch, weight 1/t, the weighted CE of masked tokens summed and divided by the number of real tokens:
-    # the NELBO per token (also dllm's default "token" mode and NeMo Automodel's MDLM loss)
-    "mdlm": dict(schedule="linear", weighting="elbo", t_sampling="antithetic", eps=1e-3, normalization="token"),
+    # the NELBO per token (also dllm's default "token" mode and NeMo Automodel's MDLM loss); SUBS
+    # (`_subs_parameterization`): [MASK]'s logit is -inf, the model never predicts the absorbing state
+    "mdlm": dict(schedule="linear", weighting="elbo", t_sampling="antithetic", eps=1e-3, normalization="token",
+                 subs=True),
     # MegaDLMs (the seed system's masked-diffusion loss): weight by the measured masked fraction (l / k per
     # row), no eps, at least one masked token, 1% random lengths, sum / (B * L)
     "megadlms": dict(schedule="linear", weighting="measured", t_sampling="uniform", eps=0.0, normalization="batch",
@@ -48,7 +50,7 @@ CORRUPT_EXTRAS = ("t", "masked", "supervised")
 
 @dataclass
 class MaskedDiffusionObjective:
-    """Options of the objective (see ../shared REFERENCE §1 and `PRESETS` for where each convention comes from).
+    """Options of the objective (`PRESETS` names the paper or repository each convention comes from).
 
     mask_token_id: the absorbing state. schedule: alpha(t) = 1 - t ("linear") or cos(pi t / 2)
     ("cosine"); a token is masked with probability 1 - alpha(t). weighting: "elbo" (-alpha'/(1-alpha),
@@ -68,6 +70,10 @@ class MaskedDiffusionObjective:
     or padding token). random_length_prob: each sample is cut, with this probability, to a random length
     in [2, L] (by the attention mask, per sample, so the cut is independent of the batch layout too).
     mode: "diffusion" or "ar" (next-token CE on every real token; the model must be causal).
+    subs: MDLM's SUBS parameterisation: [MASK] is removed from the softmax of the loss (its log-probability
+    is -inf), as it is in MDLM's `_subs_parameterization`; pass the same to `elbo_nll` when evaluating such
+    a model (DLMTrainer.evaluate does). The unmasked positions' carry-over half of SUBS needs nothing here:
+    they carry no loss.
     """
 
     mask_token_id: int | None = None
@@ -81,6 +87,7 @@ class MaskedDiffusionObjective:
     random_length_prob: float = 0.0
     mode: str = "diffusion"
     seed: int = 0
+    subs: bool = False
 
     def __post_init__(self):
         for name, allowed in (("schedule", SCHEDULES), ("weighting", WEIGHTINGS), ("t_sampling", T_SAMPLINGS),
@@ -94,6 +101,9 @@ class MaskedDiffusionObjective:
             raise ValueError(f"MaskedDiffusionObjective.random_length_prob must lie in [0, 1], got {self.random_length_prob}")
         if self.mode == "diffusion" and self.mask_token_id is None:
             raise ValueError("MaskedDiffusionObjective.mask_token_id is required in diffusion mode")
+        if self.subs and self.mode == "ar":
+            raise ValueError("MaskedDiffusionObjective.subs=True is MDLM's masked-diffusion parameterisation; "
+                             "mode='ar' has no [MASK] to remove: set subs=False")
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "MaskedDiffusionObjective":
@@ -171,7 +181,8 @@ class MaskedDiffusionObjective:
         for prompt tokens (never masked, no loss); t_slot (B,) / t_group_size: the samples' places in
         their antithetic group (see `sample_t`). Returns the model's keyword arguments (input_ids,
         attention_mask, labels, label_weights, num_items_in_batch) plus `t`, `masked` and `supervised`
-        (B, L) for logging and for summing normalisers over micro-batches."""
+        (B, L) for logging and for summing normalisers over micro-batches; with `subs`, also the model's
+        `suppressed_token_id` (the mask token, removed from the loss's softmax)."""
         batch, length = input_ids.shape
         device = input_ids.device
         sample_index = sample_index.to(device)
@@ -219,7 +230,7 @@ class MaskedDiffusionObjective:
         weights = torch.where(masked, weight.unsqueeze(1), 0.0)
         if self.label_alignment == "shift":
             labels, weights = _shift_left(labels, IGNORE_INDEX), _shift_left(weights, 0.0)
-        return dict(
+        result = dict(
             input_ids=torch.where(masked, self.mask_token_id, input_ids),
             attention_mask=attention_mask,
             labels=labels,
@@ -229,6 +240,9 @@ class MaskedDiffusionObjective:
             masked=masked,
             supervised=supervised,
         )
+        if self.subs:
+            result["suppressed_token_id"] = self.mask_token_id
+        return result
 
     def _ar_inputs(self, input_ids, attention_mask, supervised) -> dict:
         labels = _shift_left(torch.where(supervised, input_ids, IGNORE_INDEX), IGNORE_INDEX)

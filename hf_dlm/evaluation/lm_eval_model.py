@@ -3,8 +3,12 @@
 - `loglikelihood`: minus the Monte Carlo ELBO of the continuation given the context (`elbo_nll`,
   `mc_num` stratified draws). Each request draws its masks from a generator seeded by a hash of
   (seed, its tokens), so scores do not change with the batch size or the order of requests (lm-eval
-  forks that share one generator report scores that move with the batch size). `is_greedy`: every
-  continuation token is the argmax when the whole continuation is masked.
+  forks that share one generator report scores that move with the batch size). `is_greedy`, by
+  `greedy_check`: "one_forward" (default): every continuation token is the argmax when the whole
+  continuation is masked; "iterative": LLaDA's `suffix_greedy_prediction` (eval_llada.py): the continuation
+  is decoded from all masks one token per forward, the most confident masked position first, and must come
+  out equal. Only tasks that read `is_greedy` (LAMBADA accuracy) differ; the iterative check costs one
+  forward per continuation token. `subs=True`: [MASK] out of the softmax in both (MDLM SUBS models).
 - `loglikelihood_rolling`: lm-eval's disjoint rolling windows of `max_length`, each window's tokens
   scored by the ELBO given the window's context.
 - `generate_until`: the continuous-batching engine (the sampler's semantics, per-request seeds), cut
@@ -25,6 +29,40 @@ from tqdm import tqdm
 
 from ..serving.engine import ContinuousBatchingEngine, GenerationRequest, decode_answer
 from ..diffusion.elbo import elbo_nll
+from ..utils.errors import FieldError
+
+GREEDY_CHECKS = ("one_forward", "iterative")
+
+
+def _denoise(model, ids, attention_mask, mask_id, subs):
+    logits = model.denoising_logits(ids, attention_mask=attention_mask).float()
+    if subs:
+        logits[..., mask_id] = float("-inf")
+    return logits
+
+
+@torch.no_grad()
+def greedy_one_forward(model, input_ids, attention_mask, answer, mask_id, subs=False) -> torch.Tensor:
+    """(B,) is every answer token the argmax when the whole answer is masked (one forward)?"""
+    logits = _denoise(model, input_ids.masked_fill(answer, mask_id), attention_mask, mask_id, subs)
+    return (logits.argmax(-1).eq(input_ids) | ~answer).all(1)
+
+
+@torch.no_grad()
+def greedy_iterative(model, input_ids, attention_mask, answer, mask_id, subs=False) -> torch.Tensor:
+    """(B,) LLaDA's `suffix_greedy_prediction`, batched: from a fully masked answer, each of the answer's K forwards
+    commits the argmax at the masked answer position whose argmax has the highest probability (a row stops after
+    its own K forwards); is the decoded answer the answer?"""
+    canvas = input_ids.masked_fill(answer, mask_id)
+    lengths = answer.sum(1)
+    for step in range(int(lengths.max()) if answer.any() else 0):
+        masked = (canvas == mask_id) & answer & (step < lengths).unsqueeze(1)  # (B, L)
+        probs = _denoise(model, canvas, attention_mask, mask_id, subs).softmax(-1)
+        confidence, x0 = probs.max(-1)  # (B, L)
+        best = confidence.masked_fill(~masked, -1.0).argmax(1)  # (B,)
+        rows = masked.any(1).nonzero().squeeze(1)
+        canvas[rows, best[rows]] = x0[rows, best[rows]]
+    return (canvas.eq(input_ids) | ~answer).all(1)
 
 
 def _to_bool(value) -> bool:
@@ -37,25 +75,33 @@ class DLMEvalHarness(LM):
                  dtype: str = "auto", batch_size: int | str = 8, max_batch_size: int | None = None, mc_num: int = 128,
                  seed: int = 1234, max_length: int | None = None, max_gen_toks: int = 128, block_length: int = 32,
                  steps: int | None = None, threshold: float | None = None, temperature: float = 0.0,
-                 remasking: str | None = None, cache: str | None = None, factor: float | None = None,
-                 entropy_bound: float | None = None, editing_threshold: float | None = None, compile=None, **unused):
+                 remasking: str | None = None, cache: str | None = None, greedy_check: str = "one_forward",
+                 subs: bool | str = False, factor: float | None = None, entropy_bound: float | None = None,
+                 editing_threshold: float | None = None, compile=None, **unused):
         """pretrained: checkpoint folder (or pass `model` and `tokenizer` objects); peft: a LoRA adapter folder;
         mc_num: ELBO draws per request (LLaDA uses 128); steps: sampler steps for generate_until (default:
-        one token per step); remaining generation knobs as in `model.generate` (generate_until runs the decoding
-        core's engine: factor / entropy_bound / editing_threshold commit rules, compile for its compiled step)."""
+        one token per step); greedy_check: "one_forward" (default) or "iterative" (LLaDA's
+        suffix_greedy_prediction), see the module docstring; subs: the model was trained with the objective's
+        subs=True (the `mdlm` preset): [MASK] is removed from the softmax when scoring; remaining generation
+        knobs as in `model.generate` (generate_until runs the decoding core's engine: factor / entropy_bound /
+        editing_threshold commit rules, compile for its compiled step)."""
         super().__init__()
         if unused:
             raise TypeError(f"hf-dlm lm-eval model: unknown model_args {sorted(unused)}")
         if model is None:
             if pretrained is None:
                 raise ValueError("hf-dlm lm-eval model: pass pretrained=PATH (or model= and tokenizer=)")
-            from ..commands.serve import load_model
+            from ..hub.loading import load_model
 
             model, tokenizer = load_model(pretrained, device, dtype, peft)
         elif peft:
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(model, peft).merge_and_unload().eval()
+        if greedy_check not in GREEDY_CHECKS:
+            raise FieldError("greedy_check", f"hf-dlm lm-eval model: greedy_check must be one of {GREEDY_CHECKS}, "
+                             f"got {greedy_check!r}", greedy_check)
+        self.greedy_check, self.subs = greedy_check, _to_bool(subs)
         self.model, self.tokenizer = model, tokenizer
         self._device = next(model.parameters()).device
         if str(batch_size).startswith("auto"):
@@ -116,13 +162,11 @@ class DLMEvalHarness(LM):
                 prompt_mask[r, : len(context)] = True
             seeds = [self._request_seed(c, x) for c, x in rows]
             bound = elbo_nll(self.model, input_ids, attention_mask, prompt_mask, mc_num=self.mc_num,
-                             batch_size=len(rows), row_seeds=seeds)["per_sequence"]
-            # greedy: the whole continuation masked, is every token the argmax?
+                             batch_size=len(rows), row_seeds=seeds, subs=self.subs)["per_sequence"]
             answer = attention_mask.bool() & ~prompt_mask
-            with torch.no_grad():
-                logits = self.model.denoising_logits(input_ids.masked_fill(answer, mask_id).to(self._device),
-                                                     attention_mask=attention_mask.to(self._device))
-            greedy = (logits.argmax(-1).cpu().eq(input_ids) | ~answer).all(1)
+            check = greedy_one_forward if self.greedy_check == "one_forward" else greedy_iterative
+            greedy = check(self.model, input_ids.to(self._device), attention_mask.to(self._device),
+                           answer.to(self._device), mask_id, self.subs).cpu()
             for r, i in enumerate(chunk):
                 results[i] = (-float(bound[r]), bool(greedy[r]))
         return results

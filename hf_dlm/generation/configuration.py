@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from transformers import GenerationConfig
 
+from ..utils.errors import FieldError
 from .commit_rules import COUNT_RULES, REMASKING
 from .compiled_step import COMPILE_CHOICES
 
@@ -102,7 +103,8 @@ class DLMGenerationConfig(GenerationConfig):
     def validate_dlm(self):
         """Raise a ValueError naming every option out of range or not supported by a diffusion sampler."""
         def fail(name, expected):
-            raise ValueError(f"DLMGenerationConfig.{name} must be {expected}, got {getattr(self, name)!r}")
+            raise FieldError(name, f"DLMGenerationConfig.{name} must be {expected}, got {getattr(self, name)!r}",
+                             getattr(self, name))
 
         unsupported = [f"{name}={getattr(self, name)!r}" for name, off in UNSUPPORTED.items()
                        if getattr(self, name, None) not in (off, None)]
@@ -123,8 +125,8 @@ class DLMGenerationConfig(GenerationConfig):
             fail("entropy_bound", ">= 0")
         count_rules = [name for name in COUNT_RULES if getattr(self, name) is not None]
         if len(count_rules) > 1:
-            raise ValueError(f"DLMGenerationConfig: {' and '.join(count_rules)} each decide how many tokens a step "
-                             "commits; set one of them")
+            raise FieldError(count_rules[1], f"DLMGenerationConfig: {' and '.join(count_rules)} each decide how many "
+                             "tokens a step commits; set one of them", getattr(self, count_rules[1]))
         if self.editing_threshold is not None:
             if not 0.0 <= float(self.editing_threshold) <= 1.0:
                 fail("editing_threshold", "in [0, 1]")

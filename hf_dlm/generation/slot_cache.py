@@ -79,7 +79,10 @@ class RaggedStep:
 
     def __init__(self, storage: SlotStorage, lanes: list[int], starts: list[int], lengths: list[int],
                  key_lengths: list[int], mode: str = "bidirectional", block_size: int | None = None,
-                 buckets: bool = False):
+                 buckets: bool = False, heads: list[tuple[int, int]] | None = None, extra: dict | None = None):
+        """heads: per row (first canvas slot, count) whose hidden states go through the LM head ->
+        tensors["head_index"] (rows, max count), later columns repeating the last; extra: per-row integer lists
+        sent to the device with the rest (one host-to-device copy per step)."""
         b, total, width = len(lanes), sum(lengths), max(lengths)
         rows = bucket(b) if buckets else b
         self.num_tokens = bucket(total) if buckets else total
@@ -87,34 +90,45 @@ class RaggedStep:
         filler = rows - b
         lanes, starts = lanes + [lanes[0]] * filler, starts + [0] * filler
         lengths_t = torch.tensor(lengths + [0] * filler)
-        key_lengths = key_lengths + [1] * filler
         offsets = torch.cumsum(lengths_t, 0) - lengths_t
         row = torch.repeat_interleave(torch.arange(rows), lengths_t)  # (T,) row of each packed token
         qpos = torch.arange(total) - offsets[row]
         slot = torch.tensor(starts)[row] + qpos
-        lane = torch.tensor(lanes)[row]
         padding = self.num_tokens - total  # filler tokens: row 0's lane, the trash slot
-        if padding:
-            row = torch.cat([row, torch.zeros(padding, dtype=torch.long)])
-            qpos = torch.cat([qpos, torch.zeros(padding, dtype=torch.long)])
-            slot = torch.cat([slot, torch.full((padding,), storage.trash)])
-            lane = torch.cat([lane, torch.full((padding,), lanes[0])])
+        row = torch.cat([row, torch.zeros(padding, dtype=torch.long)])
+        qpos = torch.cat([qpos, torch.zeros(padding, dtype=torch.long)])
+        slot = torch.cat([slot, torch.full((padding,), storage.trash)])
+        lane = torch.tensor(lanes)[row]
         # (rows, Q) -> packed token index; padding queries read token 0 (their outputs are never used)
         q_valid = torch.arange(width).unsqueeze(0) < lengths_t.unsqueeze(1)
         q_index = torch.where(q_valid, offsets.unsqueeze(1) + torch.arange(width).unsqueeze(0), 0)
-        key_slot = torch.arange(storage.capacity + 1).view(1, 1, -1)
-        allowed = key_slot < torch.tensor(key_lengths).view(-1, 1, 1)  # (rows, 1, K): the trash slot never
-        query_position = (torch.tensor(starts).unsqueeze(1) + torch.arange(width).unsqueeze(0)).unsqueeze(-1)
+        parts = {"token_lane": lane, "token_slot": slot, "token_row": row, "token_qpos": qpos, "q_index": q_index,
+                 "lanes": torch.tensor(lanes), "key_lengths": torch.tensor(key_lengths + [1] * filler),
+                 "starts": torch.tensor(starts)}
+        if heads is not None:
+            first = torch.tensor([h[0] for h in heads] + [0] * filler) - torch.tensor(starts) + offsets
+            count = torch.tensor([h[1] for h in heads] + [1] * filler)
+            columns = torch.arange(int(count.max()))
+            parts["head_index"] = first.unsqueeze(1) + torch.minimum(columns.unsqueeze(0), count.unsqueeze(1) - 1)
+        for name, values in (extra or {}).items():
+            parts[name] = torch.tensor(list(values) + [values[0]] * filler)
+        flat = torch.cat([t.flatten() for t in parts.values()]).to(storage.device)  # the step's one upload
+        tensors, at = {}, 0
+        for name, t in parts.items():
+            tensors[name] = flat[at : at + t.numel()].view(t.shape)
+            at += t.numel()
+        key_slot = torch.arange(storage.capacity + 1, device=storage.device).view(1, 1, -1)
+        allowed = key_slot < tensors.pop("key_lengths").view(-1, 1, 1)  # (rows, 1, K): the trash slot never
+        query_position = (tensors.pop("starts").unsqueeze(1) + torch.arange(width, device=storage.device)).unsqueeze(-1)
         if mode == "causal":
             allowed = allowed & (key_slot <= query_position)
         elif mode == "block":
             allowed = allowed & (key_slot // block_size <= query_position // block_size)
-        device = storage.device
-        self.tensors = dict(
-            token_lane=lane.to(device), token_slot=slot.to(device), token_row=row.to(device),
-            token_qpos=qpos.to(device), positions=torch.where(slot == storage.trash, 0, slot).unsqueeze(0).to(device),
-            q_index=q_index.to(device), mask=allowed.expand(rows, width, -1).unsqueeze(1).to(device),
-            lanes=torch.tensor(lanes, device=device))
+        tensors["mask"] = allowed.expand(rows, width, -1).unsqueeze(1)  # (rows, 1, Q, K)
+        slots = tensors["token_slot"]
+        tensors["positions"] = torch.where(slots == storage.trash, 0, slots).unsqueeze(0)  # (1, T) RoPE positions
+        self.tensors = {name: tensors.pop(name) for name in list(tensors) if name not in (extra or {})}
+        self.extra = tensors
         self.offsets, self.starts, self.rows = offsets.tolist(), starts, rows
 
 

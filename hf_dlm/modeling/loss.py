@@ -165,14 +165,17 @@ def masked_lm_loss(
     chunk_size: int = 4096,
     compiled: bool = False,
     grad_in_forward: bool = True,
+    suppressed_token_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sum_i w_i * CE_i / num_items_in_batch` over the positions whose label is not -100.
 
     hidden_states: (B, L, H) final hidden states; labels: (B, L) targets aligned with the positions whose
     logits predict them (-100: no loss); label_weights: (B, L) per-position weights (default 1);
     num_items_in_batch: the normaliser (default: the number of supervised positions); compiled: the
-    chunks' softmax work through `torch.compile`; grad_in_forward: see `weighted_linear_cross_entropy`.
-    Returns (loss, number of supervised positions).
+    chunks' softmax work through `torch.compile`; grad_in_forward: see `weighted_linear_cross_entropy`;
+    suppressed_token_id: a token whose logit is -inf in the softmax (MDLM's SUBS parameterisation removes
+    [MASK] from the prediction), applied as a -inf entry of the head's bias so every path (fused, chunked,
+    compiled) keeps its kernels. Returns (loss, number of supervised positions).
     """
     flat_labels = labels.reshape(-1)
     selected = (flat_labels != IGNORE_INDEX).nonzero().squeeze(-1)  # (N,)
@@ -190,8 +193,15 @@ def masked_lm_loss(
     # so the exported remote code stays free of hf-dlm's parallel package)
     vocab_parallel_loss = getattr(lm_head, "vocab_parallel_loss", None)
     if vocab_parallel_loss is not None:
+        if suppressed_token_id is not None:
+            return vocab_parallel_loss(hidden, lm_head.weight, targets, scale, chunk_size, suppressed_token_id), count
         return vocab_parallel_loss(hidden, lm_head.weight, targets, scale, chunk_size), count
+    bias = lm_head.bias
+    if suppressed_token_id is not None:
+        suppress = torch.zeros(lm_head.weight.shape[0], device=hidden.device, dtype=torch.float32)
+        suppress[suppressed_token_id] = float("-inf")
+        bias = suppress if bias is None else bias + suppress.to(bias.dtype)
     loss = weighted_linear_cross_entropy(
-        hidden, lm_head.weight, targets, scale, lm_head.bias, chunk_size, compiled, grad_in_forward
+        hidden, lm_head.weight, targets, scale, bias, chunk_size, compiled, grad_in_forward
     )
     return loss, count

@@ -126,6 +126,27 @@ def expert_choice_aux_losses(router_logits: torch.Tensor, chosen: torch.Tensor, 
     return balance, router_z_loss(logits, weights)
 
 
+class _GatherRows(torch.autograd.Function):
+    """rows = x.index_select(0, index) where `index` takes every row of x exactly `repeats` times (a permutation
+    of `repeats` copies), so the backward is a gather too: grad_x = sum over copies of grad[inverse]. Autograd's
+    own backward of index_select is an atomic scatter-add (`index_add_`), the slowest kernel of the MoE
+    dispatch in bf16; this is Megatron's permute / unpermute pair written as one function."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse, repeats):
+        ctx.save_for_backward(inverse)
+        ctx.repeats = repeats
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        grad = grad.index_select(0, inverse)
+        if ctx.repeats > 1:
+            grad = grad.view(-1, ctx.repeats, grad.shape[-1]).sum(dim=1)
+        return grad, None, None, None
+
+
 class DLMExperts(nn.Module):
     """E SwiGLU experts as two grouped weights. forward(tokens (T, H) grouped by expert, counts (E,)) ->
     (T, H): rows counts[0] go through expert 0, the next counts[1] through expert 1, and so on."""
@@ -257,7 +278,7 @@ class DLMSparseMoeBlock(nn.Module):
         return router_logits, top_weights * self.routed_scaling_factor, top_experts
 
     def _token_choice(self, hidden_states, token_mask):
-        """-> (token of each assignment, its weight), both sorted by expert, counts (E,), router losses."""
+        """-> (assignment order sorted by expert (N * k,), its inverse, the (N, k) weights), counts (E,), losses."""
         router_logits, top_weights, top_experts = self.route(hidden_states)
         flat_experts = top_experts.reshape(-1)  # (N * k,)
         order = flat_experts.argsort(stable=True)  # stable: a token's rows keep their order
@@ -273,7 +294,7 @@ class DLMSparseMoeBlock(nn.Module):
                 if token_mask is not None:
                     real = real * token_mask.reshape(-1, 1).long()
                 self.tokens_per_expert += count_per_expert(top_experts, self.num_experts, real)
-        return order // self.top_k, top_weights.reshape(-1)[order], counts, losses
+        return (order, order.argsort(), top_weights), counts, losses
 
     def _expert_choice(self, hidden_states, token_mask, rows):
         router_logits = self.gate(hidden_states)
@@ -290,16 +311,21 @@ class DLMSparseMoeBlock(nn.Module):
         self.router_losses = None
         if hidden_states.shape[0] == 0:
             return hidden_states.reshape(shape)
-        if self.router == "expert_choice":
+        # dispatch: the assignments' tokens, one contiguous run per expert; combine: weighted sum per token
+        if self.router == "expert_choice":  # a token is taken by 0..E experts: combine with a scatter-add
             rows = shape[0] if self.expert_choice_level == "sequence" and len(shape) == 3 else 1
             token_rows, row_weights, counts, losses = self._expert_choice(hidden_states, token_mask, rows)
-        else:
-            token_rows, row_weights, counts, losses = self._token_choice(hidden_states, token_mask)
+            expert_output = self.experts(hidden_states.index_select(0, token_rows), counts)
+            expert_output = expert_output * row_weights[:, None].to(expert_output.dtype)
+            output = torch.zeros_like(hidden_states, dtype=expert_output.dtype).index_add_(0, token_rows, expert_output)
+        else:  # exactly k assignments per token: dispatch and combine are row permutations, gathers both ways
+            (order, inverse, top_weights), counts, losses = self._token_choice(hidden_states, token_mask)
+            k = self.top_k
+            expert_input = _GatherRows.apply(hidden_states, order // k, inverse, k)  # (N * k, H) by expert
+            expert_output = self.experts(expert_input, counts)
+            unsorted = _GatherRows.apply(expert_output, inverse, order, 1).view(-1, k, expert_output.shape[-1])
+            output = (unsorted * top_weights[:, :, None].to(unsorted.dtype)).sum(dim=1)  # (N, H)
         self.router_losses = losses
-        # dispatch: the assignments' tokens, one contiguous run per expert; combine: weighted sum per token
-        expert_output = self.experts(hidden_states.index_select(0, token_rows), counts)
-        expert_output = expert_output * row_weights[:, None].to(expert_output.dtype)
-        output = torch.zeros_like(hidden_states, dtype=expert_output.dtype).index_add_(0, token_rows, expert_output)
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden_states)
             output = output + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared

@@ -6,7 +6,7 @@ Transformer Engine). Names load on first access; torchao and Transformer Engine 
 from ..utils.lazy import lazy_exports
 
 _LAZY = {
-    "parallelize_dlm": ".parallelize", "parallelize_from_dims": ".parallelize",
+    "parallelize_dlm": ".parallelize", "parallelize_from_dims": ".parallelize", "ParallelOptions": ".parallelize",
     "apply_tensor_parallel": ".tensor_parallel", "apply_context_parallel": ".context_parallel",
     "ParallelDims": ".mesh", "build_parallel_dims": ".mesh", "MemoryPlan": ".planner", "plan_layouts": ".planner",
     "apply_expert_parallel": ".expert_parallel",

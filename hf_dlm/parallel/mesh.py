@@ -73,10 +73,6 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def fsdp_enabled(self) -> bool:
-        return self.dp_shard * self.cp > 1
-
-    @property
     def loss_parallel_size(self) -> int:
         """Ranks whose losses are summed (the data-parallel and context-parallel ranks)."""
         return self.dp_replicate * self.dp_shard * self.cp
@@ -115,7 +111,8 @@ class ParallelDims:
 
 def build_parallel_dims(args, world_size: int) -> ParallelDims:
     """From hf-dlm's training arguments (`tp_size`, `cp_size`, `dp_shard_size`, `dp_replicate_size`, `ep_size`,
-    `pp_size`), or from `args.parallelism_config` (accelerate's) when that is set."""
+    `pp_size`; a `parallelism_config` was turned into these when the arguments were built), or from
+    `args.parallelism_config` (accelerate's) for other argument objects that carry one."""
     ep, pp = getattr(args, "ep_size", 1) or 1, getattr(args, "pp_size", 1) or 1
     config = getattr(args, "parallelism_config", None)
     if config is not None:

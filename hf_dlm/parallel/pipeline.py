@@ -137,6 +137,7 @@ class DLMPipelineStageModule(nn.Module):
         self.router_values: list[torch.Tensor] = []  # (aux, z) of this stage's layers / total_moe_layers, per forward
         self.compile_loss_head = getattr(model, "compile_loss_head", False)
         self.loss_grad_in_forward = getattr(model, "loss_grad_in_forward", True)
+        self.suppressed_token_id = None  # the objective's subs=True (DLMPipeline.step sets it)
 
     def forward(self, inputs, attention_mask=None, position_ids=None, labels=None, label_weights=None,
                 clean_input_ids=None):
@@ -164,7 +165,8 @@ class DLMPipelineStageModule(nn.Module):
         hidden_states = self.model.norm(hidden_states[:, : labels.shape[1]])
         loss, _ = masked_lm_loss(hidden_states, self.lm_head, labels, label_weights, self.loss_normaliser,
                                  self.config.loss_chunk_size, compiled=self.compile_loss_head,
-                                 grad_in_forward=self.loss_grad_in_forward)
+                                 grad_in_forward=self.loss_grad_in_forward,
+                                 suppressed_token_id=self.suppressed_token_id)
         return loss.reshape(1)  # (1,): the schedule concatenates the micro-batches' outputs
 
     def _with_router_losses(self, hidden_states):
@@ -238,13 +240,14 @@ class DLMPipeline:
         hold the stages. schedule: one of PIPELINE_SCHEDULES. stages_per_rank: virtual stages per rank
         (interleaved 1F1B only, default 2; rank r holds stages r, r + pp, ...). split_points: first layer
         of stages 1..S-1 (default: even). dp_mesh: FSDP2-shard every stage over this mesh (each decoder
-        layer one unit, then the stage); its ranks run the same stages on different data.
+        layer one unit, then the stage; `fsdp_options`: a `ParallelOptions` for the rest, e.g. param_dtype);
+        its ranks run the same stages on different data.
     """
 
     def __init__(self, model, *, pp_group=None, pp_mesh=None, schedule: str = "1f1b",
                  stages_per_rank: int | None = None,
                  split_points: list[int] | None = None, dp_mesh=None, device: torch.device | str | None = None,
-                 fsdp_kwargs: dict | None = None):
+                 fsdp_options=None):
         check_pipeline_model(model)
         if schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pipeline schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}")
@@ -270,7 +273,7 @@ class DLMPipeline:
         for module in modules:
             module.to(self.device)
             if dp_mesh is not None:
-                _fully_shard_stage(module, dp_mesh, **(fsdp_kwargs or {}))
+                _fully_shard_stage(module, dp_mesh, fsdp_options)
         self.model = DLMPipelineModel(model.config, modules)
         self.layer_ranges = [ranges[i] for i in self.stage_indices]
         from torch.distributed.pipelining import PipelineStage
@@ -312,8 +315,11 @@ class DLMPipeline:
         all of the same shapes, the same on every rank of the pipeline. loss_normaliser: the loss's divisor
         (the global number of supervised items, divided by the data-parallel size when gradients are averaged
         over it). Returns the summed loss on the rank of the last stage, None elsewhere."""
+        # a Python int, not a tensor the schedule could split: the same for every micro-batch
+        suppressed = [micro_batch.pop("suppressed_token_id", None) for micro_batch in micro_batches]
         batch = _concatenate(micro_batches)
         for stage in self.stages:
+            stage.submod.suppressed_token_id = suppressed[0]
             stage.submod.loss_normaliser = torch.as_tensor(loss_normaliser, device=self.device)
             stage.submod.router_loss_weight = 1.0 / len(micro_batches)
             stage.submod.router_values = []
@@ -384,15 +390,16 @@ def check_pipeline_model(model) -> None:
         raise ValueError("pipeline parallelism needs materialised weights (build or load the model first)")
 
 
-def _fully_shard_stage(module: DLMPipelineStageModule, dp_mesh, **kwargs) -> None:
-    """FSDP2 over the data-parallel ranks: every decoder layer one unit, the stage (embeddings / norm / head) the
-    root. `PipelineStage` drives the gradient reduction itself (after the last micro-batch)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _fully_shard_stage(module: DLMPipelineStageModule, dp_mesh, options=None) -> None:
+    """FSDP2 over the data-parallel ranks (`parallelize.apply_fsdp`, `options` a `ParallelOptions`): every decoder
+    layer one unit, the stage (embeddings / norm / head) the root. `PipelineStage` drives the gradient
+    reduction itself (after the last micro-batch)."""
+    import dataclasses
 
-    kwargs.setdefault("mp_policy", MixedPrecisionPolicy(reduce_dtype=torch.float32))
-    for layer in module.model.layers.values():
-        fully_shard(layer, mesh=dp_mesh, **kwargs)
-    fully_shard(module, mesh=dp_mesh, **kwargs)
+    from .parallelize import ParallelOptions, apply_fsdp
+
+    options = dataclasses.replace(options or ParallelOptions(), dp_mesh=dp_mesh, fsdp=True)
+    apply_fsdp(module, options, layers=module.model.layers.values())
 
 
 def _concatenate(micro_batches: list[dict]) -> dict:

@@ -108,11 +108,11 @@ def _expand_root(plan: dict, layer: nn.Module, tp_mesh) -> dict:
 
 
 def vocab_parallel_weighted_cross_entropy(hidden: torch.Tensor, weight, labels: torch.Tensor, scale: torch.Tensor,
-                                          chunk_size: int = 4096) -> torch.Tensor:
+                                          chunk_size: int = 4096, suppressed_token_id: int | None = None) -> torch.Tensor:
     """`sum_i scale_i * CE_i` of `hidden @ weight.T` where `weight` (V, H) is a DTensor sharded on the
     vocabulary (Shard(0)) over a 1-D tensor-parallel mesh. hidden (N, H) replicated over that mesh, labels
     and scale (N,). Returns the fp32 scalar, identical on every rank; gradients reach `hidden` (summed over
-    the group) and the weight shard."""
+    the group) and the weight shard. suppressed_token_id: a token whose logit is -inf (MDLM's SUBS)."""
     mesh = weight.device_mesh
     vocab = weight.shape[0]
     local_weight = weight.to_local()
@@ -120,7 +120,7 @@ def vocab_parallel_weighted_cross_entropy(hidden: torch.Tensor, weight, labels: 
     shard = math.ceil(vocab / size)  # torch.chunk's split, as DTensor's Shard(0)
     vocab_start = min(rank * shard, vocab)
     return _VocabParallelLinearCrossEntropy.apply(hidden, local_weight, labels, scale, vocab_start,
-                                                  mesh.get_group(), chunk_size)
+                                                  mesh.get_group(), chunk_size, suppressed_token_id)
 
 
 class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
@@ -129,7 +129,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     shard's share of the hidden gradient (all-reduced once at the end)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, scale, vocab_start, group, chunk_size):
+    def forward(ctx, hidden, weight, labels, scale, vocab_start, group, chunk_size, suppressed_token_id=None):
         dtype = _compute_dtype(hidden, weight)
         needs_hidden, needs_weight = ctx.needs_input_grad[:2]
         with torch.autocast(hidden.device.type, enabled=False):
@@ -143,6 +143,8 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 rows = slice(start, start + chunk_size)
                 h, y = h_all[rows], labels[rows]
                 logits = F.linear(h, w).float()  # (n, V / tp)
+                if suppressed_token_id is not None and 0 <= suppressed_token_id - vocab_start < local_vocab:
+                    logits[:, suppressed_token_id - vocab_start] = float("-inf")
                 row_max = logits.max(-1).values if local_vocab else torch.full_like(ce[rows], -torch.inf)
                 dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
                 exp = torch.exp(logits - row_max[:, None])
@@ -177,5 +179,5 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             (grad_weight * grad_output).to(weight_dtype) if grad_weight is not None else None,
             None,
             (ce * grad_output).to(scale_dtype) if ctx.needs_input_grad[3] else None,
-            None, None, None,
+            None, None, None, None,
         )

@@ -1,6 +1,6 @@
-"""DLMTrainer under a named device mesh: layouts from the training arguments (`tp_size`, `cp_size`,
-`dp_shard_size`, `dp_replicate_size`, `ep_size`) or transformers' `parallelism_config`, applied by
-`parallelize_dlm` itself, on CPU (torchrun + gloo, where accelerate's FSDP cannot run) and GPU alike;
+"""The diffusion trainers under a named device mesh: layouts from the training arguments (`tp_size`, `cp_size`,
+`dp_shard_size`, `dp_replicate_size`, `ep_size`: the one spelling; transformers' `parallelism_config` is
+accepted and turned into these fields when the arguments are built), applied by `parallelize_dlm` itself, on CPU (torchrun + gloo, where accelerate's FSDP cannot run) and GPU alike;
 accelerate then runs the loop, the optimizer and the data loaders (its loaders give every TP / CP rank of
 a data-parallel group the same batches, read from the mesh's dimension names).
 
@@ -26,11 +26,7 @@ LAYOUT_FIELDS = ("tp_size", "cp_size", "dp_shard_size", "dp_replicate_size", "ep
 
 
 def wants_parallel_layout(args) -> bool:
-    config = getattr(args, "parallelism_config", None)
-    sizes = [getattr(args, name, None) or 1 for name in LAYOUT_FIELDS]
-    if config is not None:
-        sizes += [getattr(config, f"{name}_size", None) or 1 for name in ("tp", "cp", "dp_shard", "dp_replicate")]
-    return any(size > 1 for size in sizes)
+    return any((getattr(args, name, None) or 1) > 1 for name in LAYOUT_FIELDS)
 
 
 def check_layout_supported(model, args, dims: ParallelDims) -> None:
@@ -85,14 +81,10 @@ def setup_parallel_training(model, args) -> ParallelTraining | None:
     dims = build_parallel_dims(args, world)
     check_layout_supported(model, args, dims)
     dims.build_mesh(device.type)
-    from .parallelize import parallelize_from_dims
+    from .parallelize import ParallelOptions, parallelize_dlm
 
     model.to(device)
-    parallelize_from_dims(model, dims, activation_checkpointing=args.gradient_checkpointing,
-                          compile=args.compile_blocks, float8_recipe=args.fp8_recipe,
-                          float8_fast_accum=args.fp8_fast_accum, float8_min_features=args.fp8_min_features,
-                          low_precision_residual=args.low_precision_residual, cp_backend=args.cp_backend,
-                          gradient_divide_factor=dims.loss_parallel_size)
+    parallelize_dlm(model, ParallelOptions.from_args(args, dims))
     # checkpointing is applied above, non-reentrant; the Trainer would re-enable it with its own defaults
     args.gradient_checkpointing = False
     args.parallelism_config = None  # the layout is applied here: accelerate must not apply its own
@@ -210,6 +202,7 @@ class ParallelArguments:
                                                 "'ring' (PyTorch's ring attention; CUDA, sdpa, unpadded batches)."})
 
     def _validate_layout_fields(self) -> None:
+        self._adopt_parallelism_config()
         for name in ("tp_size", "cp_size", "dp_replicate_size", "ep_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"DLMTrainingArguments.{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -217,3 +210,24 @@ class ParallelArguments:
             raise ValueError(f"DLMTrainingArguments.dp_shard_size must be a positive integer or -1, got {self.dp_shard_size!r}")
         if self.cp_backend not in ("all_gather", "ring"):
             raise ValueError(f"DLMTrainingArguments.cp_backend must be 'all_gather' or 'ring', got {self.cp_backend!r}")
+
+    def _adopt_parallelism_config(self) -> None:
+        """transformers' / accelerate's `parallelism_config` -> the fields above (one spelling from here on;
+        accelerate then applies no layout of its own: hf-dlm's `parallelize_dlm` does)."""
+        config = getattr(self, "parallelism_config", None)
+        if config is None:
+            return
+        from ..utils.errors import FieldError
+
+        if (getattr(config, "sp_size", None) or 1) > 1:
+            raise FieldError("parallelism_config", "ParallelismConfig.sp_size (DeepSpeed Ulysses) is not supported by "
+                             "hf-dlm; use cp_size", config)
+        defaults = {"tp_size": 1, "cp_size": 1, "dp_shard_size": -1, "dp_replicate_size": 1}
+        for name, default in defaults.items():
+            value = getattr(config, name, None) or default
+            if getattr(self, name) not in (default, value):
+                raise FieldError(name, f"{type(self).__name__}.{name}={getattr(self, name)!r} disagrees with "
+                                       f"parallelism_config.{name}={value!r}; set the layout once", getattr(self, name))
+            setattr(self, name, value)
+        self.parallelism_config = None
+

@@ -2,8 +2,15 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (server-sent events with `stream`, one
 event per committed block), GET /v1/models, /health, /metrics (Prometheus text format). Errors use
-OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for values the sampler cannot
-run, 422 for schema errors, 401 without the API key, 429 when the queue is full, 503 while draining.
+OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for values the sampler or the model
+cannot take, 404 `model_not_found` for a model name not in /v1/models, 422 for schema errors, 401 without
+the API key, 429 when the queue is full, 500 when a request's own row fails, 503 while draining or after
+the engine stopped.
+
+No request can break the server: every field is checked before the request is queued (types, ranges,
+seeds, the model's positions and vocabulary), a row that fails answers its own request with an error,
+an engine thread that dies fails the open requests with 503 and turns /health to 503, and SIGTERM drains
+for at most `drain_timeout` seconds before the requests still open are answered 503 (`serve`).
 """
 
 from __future__ import annotations
@@ -18,32 +25,68 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
+from ..utils.errors import FieldError
 from .engine import ContinuousBatchingEngine, EngineStoppedError, GenerationRequest, QueueFullError, decode_answer
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import DLM_TO_OPENAI, MAX_SEED, ChatCompletionRequest, CompletionRequest, error_param
 
-# request fields named in 400 answers when the sampler's message mentions them
-_FIELDS = ("max_tokens", "block_length", "steps", "threshold", "cache", "remasking", "cfg_scale", "top_p", "top_k",
-           "temperature")
+NO_CHAT_TEMPLATE = ("this model's tokenizer has no chat template: start the server with `--chat-template FILE`, "
+                    "or save a template with the tokenizer (`tokenizer.chat_template = ...; "
+                    "tokenizer.save_pretrained(path)`), or send a plain prompt to /v1/completions")
 
 
 @dataclass
 class ServerSettings:
-    model_name: str = "hf-dlm"  # the id in /v1/models
+    model_name: str = "hf-dlm"  # the id in /v1/models and in responses
+    aliases: tuple[str, ...] = ()  # further names a request's `model` may use (also listed in /v1/models)
     max_prompt_tokens: int = 4096  # longer prompts: 400
     max_output_tokens: int = 1024  # larger max_tokens: 400
     default_max_tokens: int = 64  # max_tokens of a request without one
+    max_sequences: int = 64  # most sequences (prompts x n) in one request
     api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>` (else 401)
+    drain_timeout: float = 30.0  # SIGTERM: seconds open requests may still run before they are answered 503
+    chat_template: str | None = None  # a Jinja chat template used instead of the tokenizer's own
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *(a for a in self.aliases if a != self.model_name))
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def _error_response(status: int, message: str, param: str | None, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+def _error_response(status: int, message: str, param: str | None, kind: str, code: str | None = None):
+    return JSONResponse(APIError(status, message, param, kind, code).body(), status_code=status)
+
+
+def answer_token_count(tokenizer, generated: list[int], eos_ids, stops: list[str], max_tokens: int) -> int:
+    """How many generated token ids the answer took: up to max_tokens, through the EOS that ended it, or
+    through the token that completed a stop sequence (the smallest prefix whose text holds one). Counted on
+    the ids themselves: re-tokenizing the decoded text gives another number."""
+    tokens = generated[:max_tokens]
+    eos = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
+    if eos is not None:
+        tokens = tokens[: eos + 1]
+
+    def stopped(k: int) -> bool:
+        text = tokenizer.decode(tokens[:k], skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    if not stops or not stopped(len(tokens)):
+        return len(tokens)
+    low, high = 0, len(tokens)  # stopped(high) holds; a stop sequence, once in the text, stays there
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if stopped(middle) else (middle, high)
+    return high
 
 
 class _Choice:
@@ -68,7 +111,8 @@ class _Choice:
         return self.text()[1] is not None
 
     def completion_tokens(self) -> int:
-        return len(self.server.tokenizer(self.text()[0], add_special_tokens=False)["input_ids"])
+        return answer_token_count(self.server.tokenizer, self.request.generated, self.server.engine.eos_ids,
+                                  self.stops, self.max_tokens)
 
     def delta(self, final: bool) -> str:
         """New text safe to stream: not a possible stop-sequence prefix, not half a UTF-8 character."""
@@ -84,29 +128,55 @@ class _Choice:
 
 
 class DLMServer:
-    def __init__(self, engine: ContinuousBatchingEngine, tokenizer, settings: ServerSettings):
-        self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+    def __init__(self, engine: ContinuousBatchingEngine, tokenizer, settings: ServerSettings, log=print):
+        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
         self.http_status: Counter = Counter()
         self.accepted = self.completed = 0
+        self.open: set[_Choice] = set()  # choices queued or running, failed together on drain / engine death
+        self.engine_failure: str | None = None  # set once the engine thread has stopped on its own
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # the app's event loop, set at startup
+        config = getattr(engine.model, "config", None)
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.vocab_size = getattr(config, "vocab_size", None) or len(tokenizer)
 
     # ---- request -> engine requests ------------------------------------------------------------
+    def check_model(self, body):
+        if body.model is not None and body.model not in self.settings.model_names:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                           f"{list(self.settings.model_names)} (GET /v1/models)", "model", "invalid_request_error",
+                           "model_not_found")
+
+    def _tokenize(self, text: str, param: str, **options) -> list[int]:
+        try:
+            return list(self.tokenizer(text, **options)["input_ids"])
+        except Exception as error:  # noqa: BLE001 (e.g. a lone UTF-16 surrogate, which JSON allows and UTF-8 not)
+            raise APIError(400, f"{param}: the tokenizer cannot encode this text ({type(error).__name__}: {error})",
+                           param) from None
+
     def prompts(self, body) -> list[list[int]]:
         limit = self.settings.max_prompt_tokens
         if isinstance(body, ChatCompletionRequest):
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
-            text = self.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
-                                                      tokenize=False, add_generation_prompt=True)
-            prompts, param = [self.tokenizer(text, add_special_tokens=False)["input_ids"]], "messages"
+            template = self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
+            if not template:
+                raise APIError(400, NO_CHAT_TEMPLATE, "messages")
+            try:
+                text = self.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
+                                                          chat_template=template, tokenize=False,
+                                                          add_generation_prompt=True)
+            except Exception as error:  # noqa: BLE001 (templates raise on role orders they do not support)
+                raise APIError(400, f"messages: the chat template refused them ({error})", "messages") from None
+            prompts, param = [self._tokenize(text, "messages", add_special_tokens=False)], "messages"
         elif isinstance(body.prompt, str):
-            prompts, param = [self.tokenizer(body.prompt)["input_ids"]], "prompt"
-        elif body.prompt and isinstance(body.prompt[0], int):
-            vocab = len(self.tokenizer)
-            if any(t < 0 or t >= vocab for t in body.prompt):
-                raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
+            prompts, param = [self._tokenize(body.prompt, "prompt")], "prompt"
+        elif not body.prompt:
+            raise APIError(400, "prompt: the list is empty (give a text, texts or token ids)", "prompt")
+        elif isinstance(body.prompt[0], int):
+            if any(t < 0 or t >= self.vocab_size for t in body.prompt):
+                raise APIError(400, f"prompt token ids must lie in [0, {self.vocab_size})", "prompt")
             prompts, param = [list(body.prompt)], "prompt"
         else:
-            prompts, param = [self.tokenizer(p)["input_ids"] for p in body.prompt], "prompt"
+            prompts, param = [self._tokenize(p, "prompt") for p in body.prompt], "prompt"
         for ids in prompts:
             if not ids:
                 raise APIError(400, "the prompt is empty", param)
@@ -115,38 +185,63 @@ class DLMServer:
         return prompts
 
     def choices(self, body, loop) -> list[_Choice]:
+        self.check_model(body)
         max_tokens = body.max_tokens or self.settings.default_max_tokens
         if max_tokens > self.settings.max_output_tokens:
             raise APIError(400, f"max_tokens={max_tokens} exceeds this server's limit of "
                            f"{self.settings.max_output_tokens}", "max_tokens")
         if len(body.stop_list()) > 4:
             raise APIError(400, "at most 4 stop sequences", "stop")
+        if body.seed is not None and body.seed + body.n - 1 > MAX_SEED:
+            raise APIError(400, f"seed: choice i uses seed + i, so seed + n - 1 must be <= {MAX_SEED}", "seed")
+        if body.top_k is not None and body.top_k > self.vocab_size:
+            raise APIError(400, f"top_k={body.top_k} exceeds the vocabulary ({self.vocab_size} tokens)", "top_k")
         prompts = self.prompts(body)
+        if len(prompts) * body.n > self.settings.max_sequences:
+            raise APIError(400, f"{len(prompts)} prompts x n={body.n} sequences exceed this server's limit of "
+                           f"{self.settings.max_sequences} per request; split the request",
+                           "n" if body.n > 1 else "prompt")
         defaults = getattr(self.engine.model, "generation_config", None)
         block_length = body.block_length or min(getattr(defaults, "block_length", None) or max_tokens, max_tokens)
         canvas = -(-max_tokens // block_length) * block_length  # whole blocks; the answer is cut at max_tokens
+        if canvas > self.settings.max_output_tokens:
+            raise APIError(400, f"block_length={block_length} rounds max_tokens={max_tokens} up to {canvas} tokens, "
+                           f"over this server's limit of {self.settings.max_output_tokens}", "block_length")
+        if body.steps is not None and body.steps > canvas:
+            # more steps than tokens only adds steps that commit nothing (LLaDA's budgets), at the price of forwards
+            raise APIError(400, f"steps={body.steps} exceeds the {canvas} tokens to decode (at most one step per "
+                           "token)", "steps")
+        longest = max(len(ids) for ids in prompts)
+        if self.max_positions is not None and longest + canvas > self.max_positions:
+            if longest >= self.max_positions:
+                param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+            else:  # max_tokens itself, or max_tokens rounded up to whole blocks
+                param = "max_tokens" if longest + max_tokens > self.max_positions else "block_length"
+            raise APIError(400, f"the prompt ({longest} tokens) + {canvas} new tokens (max_tokens={max_tokens} in "
+                           f"blocks of {block_length}) exceed the model's {self.max_positions} positions", param)
+        overrides = {**body.generation_overrides(), "max_new_tokens": canvas, "block_length": block_length,
+                     "steps": body.steps or canvas}
         choices = []
         for p, ids in enumerate(prompts):
             for i in range(body.n):
                 try:
-                    params = self.engine.sampling_params(
-                        max_new_tokens=canvas, block_length=block_length, steps=body.steps or canvas,
-                        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, threshold=body.threshold,
-                        cache=body.cache, remasking=body.remasking, cfg_scale=body.cfg_scale,
-                        seed=None if body.seed is None else body.seed + i)
+                    params = self.engine.sampling_params(**overrides, seed=None if body.seed is None else body.seed + i)
+                except FieldError as error:
+                    raise APIError(400, str(error), DLM_TO_OPENAI.get(error.field, error.field)) from None
                 except ValueError as error:
-                    message = str(error)
-                    first = message.split(" ")[0]
-                    # a message that starts with a field names it; else the first field it mentions
-                    param = first.rstrip(":") if first.rstrip(":") in _FIELDS else next(
-                        (f for f in _FIELDS if f in first or f"{f} " in message or f"{f}=" in message
-                         or f".{f}" in message), None)
-                    raise APIError(400, message, param) from None
+                    raise APIError(400, str(error)) from None
                 choices.append(_Choice(self, ids, params, max_tokens, body.stop_list(), loop, p * body.n + i))
         return choices
 
     # ---- responses -----------------------------------------------------------------------------
+    def check_engine(self):
+        if self.engine_failure is not None:
+            raise APIError(503, self.engine_failure, None, "server_error")
+        if self.draining:
+            raise APIError(503, "the server is shutting down", None, "server_error")
+
     async def handle(self, body, request: Request, chat: bool):
+        self.check_engine()
         loop = asyncio.get_running_loop()
         choices = self.choices(body, loop)
         try:
@@ -155,19 +250,18 @@ class DLMServer:
             raise APIError(429, f"server busy: {error}; retry later", None, "rate_limit_error") from None
         except EngineStoppedError as error:
             raise APIError(503, str(error), None, "server_error") from None
+        self.open.update(choices)
         self.accepted += 1
         prompt_tokens = sum(len(c.request.prompt_ids) for c in choices[:: body.n])
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": self.settings.model_name}
+                "model": body.model or self.settings.model_name}
         if body.stream:
             return StreamingResponse(self.stream(choices, meta, chat, request), media_type="text/event-stream")
         try:
             for choice in choices:
                 await self.wait(choice)
-        except asyncio.CancelledError:
-            for choice in choices:
-                choice.request.cancelled = True
-            raise
+        finally:  # an error, or the client gone: the other rows of the call leave the batch
+            self.close(choices)
         items = []
         for choice in choices:
             text, reason = choice.text()
@@ -179,12 +273,28 @@ class DLMServer:
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
 
+    def close(self, choices):
+        for choice in choices:
+            self.open.discard(choice)
+            if choice.request.finish_reason is None:
+                choice.request.cancelled = True
+
+    def fail_open(self, error: APIError):
+        """Answer every open choice with `error` (event-loop thread); their rows leave the batch."""
+        for choice in list(self.open):
+            choice.request.cancelled = True
+            choice.events.put_nowait(("done", error))
+        self.open.clear()
+
     async def wait(self, choice: _Choice, block_events: bool = False):
-        """Wait for the next event of `choice` (block_events) or for its end; engine errors -> 500."""
+        """Wait for the next event of `choice` (block_events) or for its end. A failed row -> 500; a
+        server-side end (drain, engine stopped) -> its own APIError."""
         while True:
             kind, error = await choice.events.get()
+            if kind == "done" and isinstance(error, APIError):
+                raise error
             if kind == "done" and error is not None:
-                raise APIError(500, f"generation failed: {error}", None, "server_error")
+                raise APIError(500, f"generation failed: {type(error).__name__}: {error}", None, "server_error")
             if kind == "done" or block_events:
                 return kind
 
@@ -196,6 +306,7 @@ class DLMServer:
             payload = {**meta, "object": kind, "choices": [{"index": choice.index, **delta, "finish_reason": reason}]}
             return f"data: {json.dumps(payload)}\n\n"
 
+        failed, pending = False, {}
         try:
             pending = {asyncio.ensure_future(self.wait(c, block_events=True)): c for c in choices}
             while pending:
@@ -205,8 +316,8 @@ class DLMServer:
                     try:
                         finished = task.result() == "done"
                     except APIError as error:
-                        yield f"data: {json.dumps({'error': {'message': error.message, 'type': error.kind}})}\n\n"
-                        finished = True
+                        yield f"data: {json.dumps(error.body())}\n\n"
+                        failed = True
                         continue
                     text = choice.delta(final=finished)
                     if text or finished:
@@ -214,11 +325,34 @@ class DLMServer:
                     if not finished:
                         pending[asyncio.ensure_future(self.wait(choice, block_events=True))] = choice
             yield "data: [DONE]\n\n"
-            self.completed += 1
+            self.completed += not failed
         finally:  # client gone: its rows leave the batch
-            for choice in choices:
-                if choice.request.finish_reason is None:
-                    choice.request.cancelled = True
+            for task in pending:
+                task.cancel()
+            self.close(choices)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def watch_engine(self, interval: float = 0.2):
+        """An engine thread that stopped without being asked to fails the open requests (503) and /health."""
+        while self.engine_failure is None:
+            await asyncio.sleep(interval)
+            thread = getattr(self.engine, "thread", None)
+            if thread is not None and not thread.is_alive() and not self.engine.stopping:
+                self.engine_failure = "the generation engine stopped unexpectedly (see the server log); restart " \
+                                      "the server"
+                self.log(f"hf-dlm serve: ERROR: {self.engine_failure}; failing {len(self.open)} open request(s)")
+                self.fail_open(APIError(503, self.engine_failure, None, "server_error"))
+
+    def begin_drain(self):
+        """SIGTERM (event-loop thread): take no new requests; after `drain_timeout` answer the open ones 503."""
+        if self.draining:
+            return
+        self.draining = True
+        timeout = self.settings.drain_timeout
+        self.log(f"hf-dlm serve: draining {len(self.open)} open request(s) for at most {timeout:g} s")
+        error = APIError(503, f"the server shut down before this request finished (drain timeout {timeout:g} s)",
+                         None, "server_error")
+        asyncio.get_running_loop().call_later(timeout, self.fail_open, error)
 
     def metrics(self) -> str:
         stats, engine = self.engine.stats, self.engine
@@ -255,17 +389,24 @@ class DLMServer:
 
 def create_app(engine: ContinuousBatchingEngine, tokenizer, settings: ServerSettings | None = None,
                log=print) -> FastAPI:
-    """The FastAPI app; the engine's loop starts with the app and drains at shutdown (uvicorn first
-    waits for every open request, so no accepted request is dropped)."""
+    """The FastAPI app; the engine's loop starts with the app and stops at shutdown (uvicorn first waits for
+    the open requests; `serve` bounds that wait by `drain_timeout`)."""
     from contextlib import asynccontextmanager
 
-    server = DLMServer(engine, tokenizer, settings or ServerSettings())
+    server = DLMServer(engine, tokenizer, settings or ServerSettings(), log)
 
     @asynccontextmanager
     async def lifespan(app):
+        server.loop = asyncio.get_running_loop()
         engine.start()
+        watcher = asyncio.create_task(server.watch_engine())
         yield
-        await asyncio.to_thread(engine.shutdown)
+        watcher.cancel()
+        server.fail_open(APIError(503, "the server shut down before this request finished", None, "server_error"))
+        # bounded: a row stuck in a forward must not keep the process up (the engine thread is a daemon)
+        await asyncio.to_thread(engine.shutdown, server.settings.drain_timeout)
+        if engine.thread is not None and engine.thread.is_alive():
+            log(f"hf-dlm serve: the engine did not stop within {server.settings.drain_timeout:g} s; exiting anyway")
         log(f"hf-dlm serve: drained; {server.accepted} requests accepted, {server.completed} completed")
 
     app = FastAPI(title="hf-dlm", lifespan=lifespan)
@@ -284,15 +425,21 @@ def create_app(engine: ContinuousBatchingEngine, tokenizer, settings: ServerSett
 
     @app.exception_handler(APIError)
     async def api_error(request, error: APIError):
-        return _error_response(error.status, error.message, error.param, error.kind)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, error: HTTPException):  # unknown paths, wrong methods, unreadable bodies
+        return _error_response(error.status_code, str(error.detail), None, "invalid_request_error")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, error: RequestValidationError):
-        problems = error.errors()
-        first = problems[0] if problems else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(part) for part in first["loc"] if part != "body") or None
-        message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in problems)
-        return _error_response(422, message, param, "invalid_request_error")
+        problems = error.errors() or [{"loc": (), "msg": "invalid request", "type": ""}]
+        if problems[0].get("type") == "json_invalid":  # the location is a byte offset, not a field
+            detail = (problems[0].get("ctx") or {}).get("error", "")
+            return _error_response(400, f"the body is not valid JSON ({detail} at character "
+                                   f"{problems[0]['loc'][-1]})", None, "invalid_request_error")
+        message = "; ".join(f"{error_param(e) or 'body'}: {e['msg']}" for e in problems[:8])
+        return _error_response(422, message, error_param(problems[0]), "invalid_request_error")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -304,16 +451,39 @@ def create_app(engine: ContinuousBatchingEngine, tokenizer, settings: ServerSett
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.settings.model_name, "object": "model", "created": 0,
-                                            "owned_by": "hf-dlm"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "hf-dlm"}
+                                           for name in server.settings.model_names]}
 
     @app.get("/health")
     async def health():
-        return {"status": "draining" if engine.stopping else "ok", "waiting": engine.num_waiting,
-                "running": engine.num_running}
+        state = {"waiting": engine.num_waiting, "running": engine.num_running}
+        if server.engine_failure is not None:
+            return JSONResponse({"status": "error", "error": server.engine_failure, **state}, status_code=503)
+        if server.draining or engine.stopping:
+            return JSONResponse({"status": "draining", **state}, status_code=503)
+        return {"status": "ok", **state}
 
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
+    """Run `app` under uvicorn until SIGTERM / Ctrl-C, then drain: new connections are refused, open requests
+    run for at most `ServerSettings.drain_timeout` seconds and are then answered 503, and the engine stops."""
+    import uvicorn
+
+    server = app.state.server
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # a signal handler: hand the drain to the event loop
+            if server.loop is not None:
+                server.loop.call_soon_threadsafe(server.begin_drain)
+            super().handle_exit(sig, frame)
+
+    # uvicorn's own bound (it cancels the request tasks) is a backstop in case an answer cannot be written
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=server.settings.drain_timeout + 5)
+    _Server(config).run()

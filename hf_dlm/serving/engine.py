@@ -20,6 +20,7 @@ which no library offers for diffusion LMs.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -30,10 +31,13 @@ import torch
 
 from ..generation.configuration import DLMGenerationConfig
 from ..generation.commit_rules import CommitSettings, decide_step
+from ..generation.compiled_step import COMPILE_CHOICES, MAX_COMPILED_GRAPHS, StepGraphs, resolve_compile
 from ..generation.row_schedule import RowSchedule
 from ..generation.sampling import finished_rows
-from ..generation.compiled_step import COMPILE_CHOICES, MAX_COMPILED_GRAPHS, StepGraphs, resolve_compile
 from ..generation.slot_cache import RaggedStep, SlotStorage, first_ragged_forward, ragged_forward
+from ..utils.errors import FieldError
+
+logger = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
@@ -81,17 +85,20 @@ class SamplingParams:
         new_tokens = config.max_new_tokens or 64
         block_length = config.block_length or new_tokens
         if block_length <= 0:
-            raise ValueError(f"block_length must be positive, got {block_length}")
+            raise FieldError("block_length", f"block_length must be positive, got {block_length}", block_length)
         if new_tokens % block_length:
-            raise ValueError(f"max_tokens ({new_tokens}) must be a multiple of block_length ({block_length})")
+            raise FieldError("max_new_tokens", f"max_tokens ({new_tokens}) must be a multiple of block_length "
+                             f"({block_length})", new_tokens)
         num_blocks = new_tokens // block_length
         steps = config.steps or new_tokens
         if steps <= 0 or steps % num_blocks:
-            raise ValueError(f"steps ({steps}) must be a positive multiple of the number of blocks ({num_blocks})")
+            raise FieldError("steps", f"steps ({steps}) must be a positive multiple of the number of blocks "
+                             f"({num_blocks})", steps)
         # the exact cache of 'block' / 'causal' models gives the uncached tokens: those rows run uncached
         cache = config.cache if attention_mode == "bidirectional" else "none"
         if config.cfg_scale and cache != "none":
-            raise ValueError(f"cfg_scale: the serving engine guides rows without a KV cache only (asked: {cache!r})")
+            raise FieldError("cfg_scale", f"cfg_scale: the serving engine guides rows without a KV cache only "
+                             f"(asked: {cache!r})", config.cfg_scale)
         return cls(max_new_tokens=new_tokens, block_length=block_length, steps=steps,
                    temperature=config.sampling_temperature, top_p=config.top_p, top_k=config.top_k,
                    threshold=config.threshold, remasking=config.remasking, stop_on_eos=config.stop_on_eos, seed=seed,
@@ -206,11 +213,11 @@ class ContinuousBatchingEngine:
         for request in requests:
             length = len(request.prompt_ids) + request.params.max_new_tokens
             if not request.prompt_ids:
-                raise ValueError("prompt_ids: empty prompt")
+                raise FieldError("prompt", "the prompt is empty", request.prompt_ids)
             if self.max_positions is not None and length > self.max_positions:
-                raise ValueError(f"max_new_tokens: prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
+                raise FieldError("max_new_tokens", f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
                                  f"({request.params.max_new_tokens}) exceeds the model's max_position_embeddings "
-                                 f"({self.max_positions})")
+                                 f"({self.max_positions})", request.params.max_new_tokens)
         with self.lock:
             if self.stopping:
                 raise EngineStoppedError("the server is shutting down")
@@ -252,7 +259,13 @@ class ContinuousBatchingEngine:
                     self._done(request, "cancelled")
                     continue
                 lane = self._take_lane()
-                self.running.append(row := _Row(request, lane, None, self.shift, self.device))
+                try:
+                    row = _Row(request, lane, None, self.shift, self.device)
+                except Exception as error:  # noqa: BLE001 (a request the engine cannot start fails alone)
+                    self.free_lanes.append(lane)
+                    self._done(request, "error", error)
+                    continue
+                self.running.append(row)
                 if request.params.cfg_scale:
                     row.uncond_lane = self._take_lane()
                 length = row.schedule.length
@@ -271,13 +284,17 @@ class ContinuousBatchingEngine:
         if work:
             try:
                 logits = self._forward(work)
-                self._commit(work, logits)
             except Exception as error:  # noqa: BLE001 (a failed forward fails its rows, not the server)
                 for row in work:
                     self._finish(row, "error", error)
+            else:
+                self._commit(work, logits)
         for row in list(self.running):
-            while row in self.running and row.schedule.block_done():
-                self._end_block(row)
+            try:
+                while row in self.running and row.schedule.block_done():
+                    self._end_block(row)
+            except Exception as error:  # noqa: BLE001 (a raising callback fails its own row)
+                self._finish(row, "error", error)
 
     def run_until_idle(self):
         while self.has_work():
@@ -290,25 +307,19 @@ class ContinuousBatchingEngine:
         entries += [(row, row.uncond_lane, True) for row in rows if row.uncond_lane is not None]
         spans = [row.schedule.query_span() for row, _, _ in entries]
         compiled = self.compiled is not None and bool(self.storage.keys)  # the first forward allocates, eagerly
+        heads = [(row.schedule.window[0] - self.shift, row.params.block_length) for row, _, _ in entries]
         step = RaggedStep(self.storage, [lane for _, lane, _ in entries], [s for s, _ in spans],
                           [e - s for s, e in spans], [row.schedule.length for row, _, _ in entries],
-                          self.attention_mode, self.block_size, buckets=compiled)
+                          self.attention_mode, self.block_size, buckets=compiled, heads=heads,
+                          extra={"canvas_lanes": [row.lane for row, _, _ in entries],  # a copy reads its row's canvas
+                                 "masked_prompt": [row.prompt_len if copy else 0 for row, _, copy in entries]})
         tensors = step.tensors
-        canvas_lanes = torch.tensor([row.lane for row, _, _ in entries] + [entries[0][1]] * (step.rows - len(entries)),
-                                    device=self.device)  # a guided copy reads its row's canvas
-        input_ids = self.storage.canvas[canvas_lanes[tensors["token_row"]], tensors["token_slot"]]
+        token_row = tensors["token_row"]
+        input_ids = self.storage.canvas[step.extra["canvas_lanes"][token_row], tensors["token_slot"]]
         if len(entries) > len(rows):  # unconditional copies see their prompt masked
-            prompt_len = torch.zeros(step.rows, dtype=torch.long)
-            prompt_len[len(rows): len(entries)] = torch.tensor([row.prompt_len for row, _, c in entries if c])
-            input_ids = input_ids.masked_fill(tensors["token_slot"] < prompt_len.to(self.device)[tensors["token_row"]],
+            input_ids = input_ids.masked_fill(tensors["token_slot"] < step.extra["masked_prompt"][token_row],
                                               self.mask_id)
-        width = max(row.params.block_length for row in rows)
-        head_index = torch.zeros(step.rows, width, dtype=torch.long)
-        for r, (row, _, _) in enumerate(entries):
-            start, end = row.schedule.window
-            first = step.offsets[r] + start - self.shift - spans[r][0]
-            head_index[r] = first + torch.arange(width).clamp(max=end - start - 1)
-        tensors.update(input_ids=input_ids.unsqueeze(0), head_index=head_index.to(self.device))
+        tensors["input_ids"] = input_ids.unsqueeze(0)
         if not compiled:
             logits = first_ragged_forward(self.model, self.storage, **tensors) if not self.storage.keys else \
                 ragged_forward(self.model, **tensors, keys=self._layers(self.storage.keys),
@@ -350,28 +361,39 @@ class ContinuousBatchingEngine:
         results, order = [], []
         for (settings, _), index in groups.items():
             group = [rows[i] for i in index]
-            # the group's own width: a seeded row draws its noise for its block only, as generate alone does
-            width = max(row.params.block_length for row in group)
-            columns = torch.arange(width, device=self.device)
-            starts = torch.tensor([row.schedule.window[0] for row in group], device=self.device)
-            lengths = torch.tensor([row.params.block_length for row in group], device=self.device)
-            valid = columns.unsqueeze(0) < lengths.unsqueeze(1)  # (g, W): a shorter block's columns beyond it
-            cols = torch.where(valid, starts.unsqueeze(1) + columns, self.storage.trash)
-            lanes = torch.tensor([row.lane for row in group], device=self.device).unsqueeze(1)
-            current = self.storage.canvas[lanes, cols]
-            candidates = current.eq(self.mask_id) & valid
-            editable = ~candidates & valid if settings.editing_threshold is not None else None
-            budget = None
-            if settings.count_rule == "budget":
-                budget = torch.tensor([row.schedule.step_budget for row in group], device=self.device)
-            tokens, edited = decide_step(logits[index, :width], current, candidates, settings, budget, group[0].generator,
-                                         editable, self.mask_index)
-            self.storage.canvas[lanes, cols] = tokens
-            results.append(torch.stack([(tokens.eq(self.mask_id) & valid).any(1), candidates.any(1), edited], 1))
-            order += index
+            try:
+                results.append(self._commit_group(group, logits[index], settings))
+                order += index
+            except Exception as error:  # noqa: BLE001 (one group's failure is its rows' alone)
+                for row in group:
+                    self._finish(row, "error", error)
+        if not results:
+            return
         flags = torch.cat(results).tolist()  # the step's one host sync
         for i, (has_masks, began_with_masks, edited) in zip(order, flags):
             rows[i].schedule.after_step(has_masks, began_with_masks, edited)
+
+    def _commit_group(self, group: list[_Row], logits: torch.Tensor, settings: CommitSettings) -> torch.Tensor:
+        """-> (g, 3) bool: has masks after the step, had masks before it, edited."""
+        # the group's own width: a seeded row draws its noise for its block only, as generate alone does
+        width = max(row.params.block_length for row in group)
+        columns = torch.arange(width, device=self.device)
+        budgets = [row.schedule.step_budget or 0 for row in group]
+        starts, lengths, lanes, budget = torch.tensor(  # one upload
+            [[row.schedule.window[0] for row in group], [row.params.block_length for row in group],
+             [row.lane for row in group], budgets]).to(self.device)
+        valid = columns.unsqueeze(0) < lengths.unsqueeze(1)  # (g, W): a shorter block's columns beyond it
+        cols = torch.where(valid, starts.unsqueeze(1) + columns, self.storage.trash)
+        lanes = lanes.unsqueeze(1)
+        current = self.storage.canvas[lanes, cols]
+        candidates = current.eq(self.mask_id) & valid
+        editable = ~candidates & valid if settings.editing_threshold is not None else None
+        if settings.count_rule != "budget":
+            budget = None
+        tokens, edited = decide_step(logits[:, :width], current, candidates, settings, budget, group[0].generator,
+                                     editable, self.mask_index)
+        self.storage.canvas[lanes, cols] = tokens
+        return torch.stack([(tokens.eq(self.mask_id) & valid).any(1), candidates.any(1), edited], 1)
 
     def _count_forward(self, rows: int, tokens: int):
         self.stats["forward_passes"] += 1
@@ -407,10 +429,15 @@ class ContinuousBatchingEngine:
         self._done(row.request, reason, error)
 
     def _done(self, request: GenerationRequest, reason: str, error: Exception | None = None):
+        if request.finish_reason is not None:  # already answered (a callback raised after its on_done)
+            return
         request.finish_reason, request.error = reason, error
         self.stats["requests_failed" if error is not None else "requests_finished"] += 1
         if request.on_done is not None:
-            request.on_done(request, reason, error)
+            try:
+                request.on_done(request, reason, error)
+            except Exception:  # noqa: BLE001 (the caller's callback; the other rows go on)
+                logger.exception("on_done of request %s raised", request.request_id)
 
     # ---- background loop (the server) ------------------------------------------------------------
     def start(self):

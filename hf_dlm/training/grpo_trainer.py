@@ -2,12 +2,14 @@
 
 trl 1.16's loop, rewards, advantages, clipping, KL and importance sampling stay as they are; three hooks
 change (trl no longer calls `_get_per_token_logps`, the hook every public d1 copy overrides):
-- `_generate_single_turn`: rollouts through the DLM's batched mixed-length sampler (`model.generate`:
-  left-padded prompts, threshold decoding, caches, compile; LoRA adapters folded into merged copies of the
-  base weights, `merged_lora_weights`), cut after the first EOS as trl does.
+- `_generate_single_turn`: rollouts through the DLM's batched mixed-length sampler (`model.generate` with the
+  `DLMGenerationConfig` of `DiffuGRPOConfig.rollout_generation_config`: left-padded prompts, threshold decoding,
+  caches, compile; LoRA adapters folded into merged copies of the base weights, `merged_lora_weights`), cut
+  after the first EOS as trl does.
 - `_get_per_token_logps_and_entropies`: completion log-probabilities from a pluggable estimator
   (`logp_estimators`: d1's one-step, DiffuCoder's coupled masks, Monte Carlo ELBO), never trl's causal head.
-  The estimator sees the canvas as it was sampled: completion padding is the EOS the sampler wrote.
+  The estimator sees the canvas as it was sampled: completion padding is the EOS the sampler wrote. Its
+  temperature is `DiffuGRPOConfig.estimator_temperature` (the rollout's unless `logp_temperature` is set).
 - `_generate_and_score_completions` / `compute_loss`: every inner iteration (`num_iterations`) gets its own
   masks, as in d1; the old-policy and reference log-probabilities are computed at rollout time for every
   iteration's masks, and each optimisation pass reads its own slice, so ratios compare like with like.
@@ -85,7 +87,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
                              "this mixture-of-experts model without them")
         self.aux_loss_enabled = False
         mask_token_id = config.mask_token_id
-        self.estimator = build_estimator(args.logp_estimator, mask_token_id, temperature=args.temperature,
+        self.estimator = build_estimator(args.logp_estimator, mask_token_id, temperature=args.estimator_temperature,
                                          **args.estimator_options())
         self._score_all_iterations = False
 
@@ -124,8 +126,10 @@ class DiffuGRPOTrainer(GRPOTrainer):
             self.accelerator.autocast(),
             merged_lora_weights(unwrapped_model) if self.args.generation_merge_adapters else nullcontext(),
         ):
+            generation_config = self.args.rollout_generation_config(eos_token_id=self.eos_token_ids,
+                                                                    pad_token_id=self._tokenizer.pad_token_id)
             sequences = unwrapped_model.generate(input_ids, attention_mask=attention_mask,
-                                                 eos_token_id=self.eos_token_ids, **self.args.generate_kwargs())
+                                                 generation_config=generation_config)
         completion = sequences[:, input_ids.shape[1]:]
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["rollout/tokens_per_second"].append(completion.numel() / (time.perf_counter() - start))

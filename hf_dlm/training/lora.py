@@ -5,9 +5,19 @@
 call it. LoRA layers wrap `nn.Linear`s in place, so DLMTrainer, DLMSFTTrainer, DiffuGRPOTrainer and
 `generate` run unchanged; adapters save / load / merge through peft's own API. `merged_lora_weights` folds
 the adapters into the base weights for the duration of a rollout (DiffuGRPOTrainer).
+
+Reloading: `PeftModel.from_pretrained(base, adapter_dir)` always works. peft's `AutoPeftModel` imports the base
+class named in adapter_config.json only from an allowlist (transformers, diffusers, ...): adapters written by
+`save_adapter` name transformers' `AutoModelForMaskedLM` (which loads hf-dlm checkpoints once `hf_dlm` is
+imported), so `AutoPeftModel.from_pretrained(adapter_dir)` loads them; for other hf-dlm adapters pass
+`import_allowlist=["hf_dlm"]`. A base that exists only in memory is saved beside the adapter (`save_adapter`),
+since an adapter whose `base_model_name_or_path` is null cannot be used.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 from contextlib import contextmanager
 
@@ -20,11 +30,15 @@ DLM_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", 
 
 
 def register_peft_defaults() -> None:
-    """peft picks default LoRA targets by `config.model_type`; add the DLM family ("dlm")."""
+    """peft picks default LoRA targets by `config.model_type`; add the DLM family ("dlm") and the published
+    families hf-dlm loads natively (llada, Dream, sdar, ...: the same module names)."""
     require("peft", "LoRA on DLM models")
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as targets
 
-    targets.setdefault("dlm", list(DLM_LORA_TARGET_MODULES))
+    from ..modeling.families import FAMILIES
+
+    for model_type in ("dlm", *FAMILIES):
+        targets.setdefault(model_type, list(DLM_LORA_TARGET_MODULES))
 
 
 def dlm_lora_config(r: int = 16, lora_alpha: int = 32, lora_dropout: float = 0.0, target_modules=None, **kwargs):
@@ -59,6 +73,45 @@ def _mergeable_adapters(layer) -> list[str] | None:
     if any(layer.use_dora.get(name, False) or getattr(layer, "lora_bias", {}).get(name, False) for name in adapters):
         return None
     return adapters
+
+
+ADAPTER_AUTO_MAPPING = {"base_model_class": "AutoModelForMaskedLM", "parent_library": "transformers"}
+
+
+def has_saved_base(model) -> bool:
+    """Whether the model was loaded from a folder or a Hub id (a LoRA adapter then names its base)."""
+    return bool(getattr(model, "name_or_path", None))
+
+
+def save_in_memory_base(model, tokenizer, base_dir: str) -> str:
+    """Save a base that exists only in memory (never loaded from a folder or the Hub) to `base_dir`, and make it
+    the base an adapter trained on it names. Returns the absolute folder."""
+    base_dir = os.path.abspath(base_dir)
+    model.save_pretrained(base_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(base_dir)
+    model.name_or_path = base_dir  # peft records base_model_name_or_path from the base's name_or_path
+    return base_dir
+
+
+def make_adapter_auto_loadable(adapter_dir: str) -> None:
+    """Point an hf-dlm adapter's `auto_mapping` at transformers' AutoModelForMaskedLM, so that peft's
+    `AutoPeftModel.from_pretrained(adapter_dir)` loads it without an import allowlist (see the module docstring).
+    A FieldError if the adapter names no base (an in-memory base that was not saved)."""
+    from ..utils.errors import FieldError
+
+    path = os.path.join(adapter_dir, "adapter_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    if not config.get("base_model_name_or_path"):
+        raise FieldError("base_model_name_or_path", f"{path}: the adapter names no base model (it was trained on a "
+                         "model that exists only in memory): save the base first (model.save_pretrained(DIR), "
+                         "then train on the model loaded from DIR), or use save_in_memory_base before training")
+    mapping = config.get("auto_mapping") or {}
+    if config.get("task_type") is None and str(mapping.get("parent_library", "")).startswith("hf_dlm"):
+        config["auto_mapping"] = dict(ADAPTER_AUTO_MAPPING)
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
 
 
 @contextmanager
@@ -97,4 +150,4 @@ def merged_lora_weights(model):
 
 
 __all__ = ["DLM_LORA_TARGET_MODULES", "register_peft_defaults", "dlm_lora_config", "get_dlm_peft_model",
-           "merged_lora_weights"]
+           "merged_lora_weights", "has_saved_base", "save_in_memory_base", "make_adapter_auto_loadable"]

@@ -10,6 +10,7 @@ by `toy_reward`), so both scripts run on a laptop CPU without downloads (example
 from __future__ import annotations
 
 import importlib
+import os
 import random
 from dataclasses import dataclass, field
 
@@ -129,6 +130,25 @@ def peft_config(script):
                            target_modules=script.lora_target_modules)
 
 
+def prepare_peft_base(script, model, tokenizer, output_dir: str) -> None:
+    """LoRA on a base that exists only in memory (`model_name_or_path: toy`): save it to OUTPUT_DIR/base first, so
+    the adapter names a base that can be loaded (else its base_model_name_or_path is null and nobody can use it)."""
+    from .lora import has_saved_base, save_in_memory_base
+
+    if script.use_peft and not has_saved_base(model):
+        save_in_memory_base(model, tokenizer, os.path.join(output_dir, "base"))
+
+
+def save_outputs(script, trainer, tokenizer, output_dir: str) -> None:
+    """The trained model (or adapter) and the tokenizer; an adapter loads with peft's AutoPeftModel."""
+    trainer.save_model(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    if script.use_peft:
+        from .lora import make_adapter_auto_loadable
+
+        make_adapter_auto_loadable(output_dir)
+
+
 def resolve_rewards(names: list[str]) -> list:
     rewards = []
     for name in names:
@@ -156,11 +176,11 @@ def run_sft(argv: list[str] | None = None):
     script, args = _parse(DLMSFTConfig, argv)
     model, tokenizer = load_model_and_tokenizer(script)
     train, evaluation = load_datasets(script, args.seed, for_grpo=False)
+    prepare_peft_base(script, model, tokenizer, args.output_dir)
     trainer = DLMSFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                             processing_class=tokenizer, peft_config=peft_config(script))
     trainer.train()
-    trainer.save_model(args.output_dir)
-    tokenizer.save_pretrained(args.output_dir)
+    save_outputs(script, trainer, tokenizer, args.output_dir)
     return trainer
 
 
@@ -171,12 +191,12 @@ def run_grpo(argv: list[str] | None = None):
     script, args = _parse(DiffuGRPOConfig, argv)
     model, tokenizer = load_model_and_tokenizer(script)
     train, evaluation = load_datasets(script, args.seed, for_grpo=True)
+    prepare_peft_base(script, model, tokenizer, args.output_dir)
     trainer = DiffuGRPOTrainer(model=model, reward_funcs=resolve_rewards(script.reward_funcs), args=args,
                                train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer,
                                peft_config=peft_config(script))
     trainer.train()
-    trainer.save_model(args.output_dir)
-    tokenizer.save_pretrained(args.output_dir)
+    save_outputs(script, trainer, tokenizer, args.output_dir)
     return trainer
 
 

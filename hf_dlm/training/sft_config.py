@@ -1,16 +1,23 @@
-"""`DLMSFTConfig`: trl's `SFTConfig` plus the masked-diffusion objective and the EOS-padding policy.
+"""`DLMSFTConfig`: trl's `SFTConfig` plus what `DLMTrainingArguments` adds for diffusion, spelled the same:
+the objective (`ObjectiveArguments`: `objective_preset` and the fields `schedule`, `weighting`, `t_sampling`,
+`eps`, `normalization`, `at_least_one_masked`, `random_length_prob`, `objective_seed`), the statistics and
+speed switches (`DiffusionTrainingFields`: `t_buckets`, `peak_flops`, `fp8_recipe`, `compile_blocks`, ...),
+the device mesh (`ParallelArguments`: `tp_size`, `cp_size`, `dp_shard_size`, ...) and the EOS-padding policy.
 
 trl's dataset options keep their meaning (language modelling, prompt-completion, conversational with the
 chat template, `completion_only_loss`, `assistant_only_loss`, `max_length`, `packing`); what trl marks as not
 supervised (its labels are -100: the prompt) is never noised and carries no loss.
 
 Defaults that differ from the parent: `gradient_checkpointing=False` (the tiny and mid-size DLMs this
-targets fit without it; turn it on for memory, as in trl).
+targets fit without it; turn it on for memory, as in trl), `objective_preset="llada"` with LLaDA's SFT
+recipe on top (`normalization="sequence"`, `random_length_prob=0.0`) unless those fields are set.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..utils.import_utils import require
 
@@ -20,29 +27,28 @@ from trl import SFTConfig  # noqa: E402
 
 from ..data.sft_data import PADDING_POLICIES  # noqa: E402
 from ..diffusion.objective import PRESETS, MaskedDiffusionObjective  # noqa: E402
+from ..parallel.trainer_parallel import ParallelArguments  # noqa: E402
+from .training_args import DiffusionTrainingFields, ObjectiveArguments  # noqa: E402
 
 # LLaDA's SFT recipe on top of the preset: each row's loss divided by its response length, no random cuts
 SFT_OBJECTIVE_DEFAULTS = {"normalization": "sequence", "random_length_prob": 0.0}
 
 
 @dataclass
-class DLMSFTConfig(SFTConfig):
+class DLMSFTConfig(ObjectiveArguments, DiffusionTrainingFields, ParallelArguments, SFTConfig):
+    _objective_defaults: ClassVar[dict] = SFT_OBJECTIVE_DEFAULTS
+
     objective_preset: str | None = field(
         default="llada",
         metadata={"help": f"Objective preset, one of {sorted(PRESETS)} (hf_dlm.diffusion.objective.PRESETS), with "
                           f"the SFT defaults {SFT_OBJECTIVE_DEFAULTS} on top (LLaDA SFT: loss per response token "
-                          "of each row, no random-length cuts); objective_overrides overrides both."},
+                          "of each row, no random-length cuts); the objective fields (normalization, t_sampling, "
+                          "...) override both."},
     )
     objective_overrides: dict | None = field(
         default=None,
-        metadata={"help": "MaskedDiffusionObjective fields to override (e.g. {'normalization': 'token', "
-                          "'t_sampling': 'antithetic'}); allowed keys: "
-                          f"{MaskedDiffusionObjective.field_names()}."},
-    )
-    objective_seed: int | None = field(
-        default=None,
-        metadata={"help": "Seed of the diffusion noise, keyed with each sample's index (and epoch), so the noise "
-                          "does not depend on world size or micro-batch split. None: `seed`."},
+        metadata={"help": "Deprecated: set the objective fields themselves (normalization=..., t_sampling=..., "
+                          "objective_seed=...), as in DLMTrainingArguments. Still accepted, with a FutureWarning."},
     )
     padding_policy: str = field(
         default="eos",
@@ -51,21 +57,22 @@ class DLMSFTConfig(SFTConfig):
                           "(the sampler's fixed-length canvas needs this); 'exclude' leaves padding out of "
                           "attention and loss (dllm / NeMo). Packed rows always exclude their padding."},
     )
-    gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Recompute activations in the backward (parent default: True)."})
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Recompute activations in the backward (parent default: True; here False). "
+                                        "transformers >= 5.24 spells it activation_checkpointing."})
 
     def __post_init__(self):
+        self._fold_objective_overrides()
+        self._validate_objective_fields()
+        self._validate_diffusion_fields()
+        self._validate_layout_fields()
+        if self.gradient_checkpointing is None:  # the new name when this transformers has it: no FutureWarning
+            name = "activation_checkpointing" if hasattr(self, "activation_checkpointing") else "gradient_checkpointing"
+            if getattr(self, name) is None:
+                setattr(self, name, False)
         super().__post_init__()
-        if self.objective_preset is not None and self.objective_preset not in PRESETS:
-            raise ValueError(f"DLMSFTConfig.objective_preset must be one of {sorted(PRESETS)} or None, "
-                             f"got {self.objective_preset!r}")
-        unknown = set(self.objective_overrides or {}) - set(MaskedDiffusionObjective.field_names())
-        if unknown:
-            raise ValueError(f"DLMSFTConfig.objective_overrides has unknown keys {sorted(unknown)}; allowed: "
-                             f"{MaskedDiffusionObjective.field_names()}")
         if self.padding_policy not in PADDING_POLICIES:
-            raise ValueError(f"DLMSFTConfig.padding_policy must be one of {PADDING_POLICIES}, "
-                             f"got {self.padding_policy!r}")
+            self._field_error("padding_policy", f"one of {PADDING_POLICIES}")
         if self.padding_free:
             raise ValueError("DLMSFTConfig.padding_free flattens a batch into one row, but the diffusion noise is "
                              "drawn per sample: use packing=True (documents stay apart through position_ids)")
@@ -73,11 +80,28 @@ class DLMSFTConfig(SFTConfig):
             raise ValueError("DLMSFTConfig: packing_strategy='wrapped' cuts documents across rows without "
                              "boundaries; use 'bfd' (documents kept whole, attention masked per document)")
 
-    def build_objective(self, model_config) -> MaskedDiffusionObjective:
-        """Mask id and label alignment from the model; preset, SFT defaults, overrides and seed from here."""
-        overrides = {**SFT_OBJECTIVE_DEFAULTS, **(self.objective_overrides or {})}
-        overrides.setdefault("seed", self.seed if self.objective_seed is None else self.objective_seed)
-        return MaskedDiffusionObjective.from_model_config(model_config, preset=self.objective_preset, **overrides)
+    def _fold_objective_overrides(self) -> None:
+        """The deprecated `objective_overrides` dict -> the objective fields (one spelling from here on)."""
+        if not self.objective_overrides:
+            return
+        warnings.warn("DLMSFTConfig.objective_overrides is deprecated: set the objective fields directly "
+                      f"(e.g. DLMSFTConfig(normalization=..., t_sampling=...)), keys {sorted(self.objective_overrides)}",
+                      FutureWarning, stacklevel=4)
+        unknown = set(self.objective_overrides) - set(MaskedDiffusionObjective.field_names())
+        if unknown:
+            self._field_error("objective_overrides", f"a dict of {MaskedDiffusionObjective.field_names()} "
+                                                     f"(unknown keys {sorted(unknown)})")
+        extra = {}
+        for key, value in self.objective_overrides.items():
+            name = "objective_seed" if key == "seed" else key
+            if name in self._OBJECTIVE_FIELDS or name == "objective_seed":
+                if getattr(self, name) is not None and getattr(self, name) != value:
+                    self._field_error(name, f"set once: objective_overrides[{key!r}] = {value!r} disagrees")
+                setattr(self, name, value)
+            else:  # fields the model decides by default (mask_token_id, label_alignment, mode)
+                extra[key] = value
+        self._extra_objective_settings = extra
+        self.objective_overrides = None
 
 
 __all__ = ["DLMSFTConfig"]

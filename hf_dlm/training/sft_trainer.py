@@ -1,20 +1,22 @@
 """`DLMSFTTrainer`: trl's `SFTTrainer` with the masked-diffusion loss (trl's diffusion SFT example, made whole).
 
 trl prepares the data exactly as for an AR model (language modelling, prompt-completion, conversational with
-the chat template, packing); three hooks change:
+the chat template, packing); these hooks change:
 - `_prepare_dataset` adds `sample_index` (the row number), the key of the row's diffusion noise.
 - the collator (`DLMSFTCollator`, wrapping trl's) turns trl's labels into `prompt_mask` (real tokens trl does
   not supervise: never noised, no loss), applies the EOS-padding policy and keeps packed rows as rows with
   restarting `position_ids` (the DLM masks attention per document) instead of trl's single flattened row.
-- `get_batch_samples` corrupts an optimizer step's micro-batches together (`MaskedDiffusionObjective.corrupt`;
-  antithetic t over the step's global batch) and counts the loss normaliser over all of them and all ranks,
-  as `DLMTrainer` does: 2 micro-batches of 8 give 1 micro-batch of 16's update under every normalisation.
-- `compute_loss`: the DLM's masked-only head with that normaliser. trl's causal fused LM head is never
-  installed (`without_causal_lm_head`); handing a DLM to trl's plain `SFTTrainer` raises.
+- the diffusion hooks are `DLMTrainer`'s own (`diffusion_batch.DiffusionBatchMixin`): an optimizer step's
+  micro-batches corrupted together with the loss normaliser counted over all of them and all ranks, device
+  meshes, float8 and per-block compile, tokens/s, MFU and CE-by-t logging; checkpoints are
+  `checkpointing.CheckpointingMixin`'s (atomic, DCP under a mesh, data position and float8 resume).
+  trl's causal fused LM head is never installed (`without_causal_lm_head`); handing a DLM to trl's plain
+  `SFTTrainer` raises.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,8 @@ from trl import SFTTrainer  # noqa: E402
 
 from ..modeling.loss import IGNORE_INDEX  # noqa: E402
 from .sft_config import DLMSFTConfig  # noqa: E402
-from .trainer import antithetic_group, corrupted_model_inputs, rescale_router_loss  # noqa: E402
+from .checkpointing import CheckpointingMixin  # noqa: E402
+from .diffusion_batch import DiffusionBatchMixin  # noqa: E402
 from .trl_compat import ensure_mask_token, load_dlm, without_causal_lm_head  # noqa: E402
 
 
@@ -63,16 +66,11 @@ class DLMSFTCollator:
         return out
 
 
-_CORRUPTED = "_dlm_corrupted"  # statistics of a micro-batch corrupted by get_batch_samples
-
-
-class DLMSFTTrainer(SFTTrainer):
+class DLMSFTTrainer(DiffusionBatchMixin, CheckpointingMixin, SFTTrainer):
     """SFT of masked-diffusion LMs with trl's data pipeline. Arguments as `trl.SFTTrainer`; `args` is a
     `DLMSFTConfig`; `objective` defaults to `args.build_objective(model.config)`."""
 
     _tag_names = ["trl", "sft", "hf-dlm", "diffusion"]
-    # compute_loss divides by the optimizer step's global normaliser: no further division by the accumulation
-    loss_is_scaled_for_ga = True
 
     def __init__(self, model, args: DLMSFTConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, objective=None, **kwargs):
@@ -83,20 +81,26 @@ class DLMSFTTrainer(SFTTrainer):
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError("DLMSFTTrainer: compute_loss_func is not supported; the loss is the diffusion objective")
         model = load_dlm(model, args.model_init_kwargs, "DLMSFTTrainer")
+        self._prepare_diffusion_model(model, args)
         with without_causal_lm_head("trl.trainer.sft_trainer"):
             super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
-        config = self.accelerator.unwrap_model(self.model).config
         ensure_mask_token(self._tokenizer, self.accelerator.unwrap_model(self.model))
         inner = self.data_collator
         if hasattr(inner, "padding_free"):  # trl's DataCollatorForLanguageModeling: keep packed rows as rows
             inner.padding_free = False
             inner.return_position_ids = args.packing
+        if self._parallel is not None and hasattr(inner, "pad_to_multiple_of"):
+            # sequence-parallel norms split every sequence over tp ranks, context parallel over cp ranks
+            multiple = math.lcm(inner.pad_to_multiple_of or 1, self._parallel.dims.tp * self._parallel.dims.cp)
+            inner.pad_to_multiple_of = None if multiple == 1 else multiple
         eos = self._tokenizer.eos_token_id
         if eos is None:
             raise ValueError("DLMSFTTrainer needs a tokenizer with an EOS token (padding and the sampler's stop)")
         self.data_collator = DLMSFTCollator(inner, eos, args.padding_policy)
-        self.objective = objective if objective is not None else args.build_objective(config)
+        if self.train_dataset is not None and hasattr(self.train_dataset, "__len__"):
+            self._epoch_stride = len(self.train_dataset)  # rows are keyed by row number: add the epoch's offset
+        self._finish_diffusion_setup(self.model, objective)
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
@@ -109,67 +113,19 @@ class DLMSFTTrainer(SFTTrainer):
             return dataset
         return dataset.map(lambda _, index: {"sample_index": index}, with_indices=True)
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """The micro-batches of one optimizer step, corrupted together, and their global number of loss items."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        if not batches:
-            return batches, None
-        for batch in batches:
-            batch["sample_index"] = self._epoch_keyed(batch["sample_index"].to(device))
-        t_group = antithetic_group(self.objective, self.accelerator, [b["sample_index"] for b in batches], device)
-        samples = [self._corrupt(batch, device, t_group) for batch in batches]
-        items = sum(sample[_CORRUPTED]["items"] for sample in samples)
-        if self.accelerator.num_processes > 1:
-            items = self.accelerator.gather(items.reshape(1)).sum()
-        return samples, items.clamp(min=1)
-
-    def _epoch_keyed(self, sample_index):
-        """A new epoch draws new noise: the global index of the draw, not only of the row."""
-        if self.train_dataset is not None and hasattr(self.train_dataset, "__len__"):
-            sample_index = sample_index + int(self.state.epoch or 0) * len(self.train_dataset)
-        return sample_index
-
-    def _corrupt(self, inputs, device, t_group=None) -> dict:
-        """A clean micro-batch -> the model's inputs, with this micro-batch's statistics under _CORRUPTED."""
-        config = self.accelerator.unwrap_model(self.model).config
-        model_inputs, corrupted = corrupted_model_inputs(self.objective, inputs, device, t_group,
-                                                         getattr(config, "attention_mode", None))
-        attention_mask, prompt_mask = inputs["attention_mask"].to(device), inputs["prompt_mask"].to(device)
-        model_inputs[_CORRUPTED] = {
-            "items": torch.as_tensor(self.objective.loss_items(corrupted), dtype=torch.float32, device=device),
-            "real": attention_mask.sum(), "masked": corrupted["masked"].sum(),
-            "supervised": (attention_mask.bool() & ~prompt_mask).sum(),
-        }
-        return model_inputs
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if _CORRUPTED not in inputs:  # a clean batch (evaluation, direct calls): corrupt it here
-            inputs = self._corrupt(inputs, self.args.device)
-        inputs = dict(inputs)
-        stats = inputs.pop(_CORRUPTED)
-        loss_scale = 1
-        if num_items_in_batch is None:
-            num_items_in_batch = stats["items"].clamp(min=1)
-        elif self.accelerator.num_processes > 1:
-            loss_scale = self.accelerator.num_processes  # a global normaliser, gradients averaged over ranks
-        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
-        loss = outputs.loss * loss_scale
-        router_loss = getattr(outputs, "router_loss", None)
-        if router_loss is not None and model.training:
-            loss = rescale_router_loss(self, loss, router_loss, loss_scale)
-        mode = "train" if model.training else "eval"
-        real = stats["real"].clamp(min=1)
-        self._metrics[mode]["masked_fraction"].append(float(stats["masked"] / real))
+    def _batch_metrics(self, stats: dict, training: bool) -> None:
+        """trl's per-mode metrics: the supervised fraction and trl's token count (training), the masked
+        fraction of evaluation batches (training logs get the token-weighted one of the mixin's window)."""
+        mode = "train" if training else "eval"
+        real = stats["tokens"].clamp(min=1) if torch.is_tensor(stats["tokens"]) else max(stats["tokens"], 1)
         self._metrics[mode]["supervised_fraction"].append(float(stats["supervised"] / real))
-        if mode == "train":
-            self._total_train_tokens += int(self.accelerator.gather_for_metrics(stats["real"].reshape(1)).sum())
+        if training:
+            replicas = self._parallel.replicas if self._parallel is not None else 1  # TP / CP ranks share a batch
+            tokens = torch.as_tensor(stats["tokens"] / replicas, device=self.args.device).reshape(1)
+            self._total_train_tokens += round(float(self.accelerator.gather_for_metrics(tokens).sum()))
             self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-        return (loss, outputs) if return_outputs else loss
+        elif stats["masked_rows"] is not None:
+            self._metrics[mode]["masked_fraction"].append(float(stats["masked_rows"].sum() / real))
 
 
 __all__ = ["DLMSFTTrainer", "DLMSFTCollator"]

@@ -1,6 +1,11 @@
 """`DLMTrainingArguments`: `transformers.TrainingArguments` plus the masked-diffusion objective's options,
 the trainer's throughput accounting and the parallelisation switches.
 
+The fields shared with `DLMSFTConfig` live in two mixins, so both trainers spell every setting the same way:
+`ObjectiveArguments` (the one objective spelling: preset plus explicit fields, `build_objective`) and
+`DiffusionTrainingFields` (statistics, float8, compile, output-folder safety); the device-mesh fields are
+`hf_dlm.parallel.trainer_parallel.ParallelArguments`.
+
 Defaults that differ from the parent: `remove_unused_columns=False` (the trainer needs `sample_index`,
 `position_ids` and `prompt_mask`, which the model's forward does not take), `logging_steps=10`,
 `accelerator_config.dispatch_batches=False` (every rank reads its own shard: batches carry the
@@ -11,17 +16,27 @@ number of supervised items).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from transformers import TrainingArguments
 
 from ..parallel.float8 import FLOAT8_RECIPES as FP8_RECIPES
 from ..parallel.trainer_parallel import ParallelArguments
+from ..utils.errors import FieldError
 from ..diffusion.objective import NORMALIZATIONS, PRESETS, SCHEDULES, T_SAMPLINGS, WEIGHTINGS, MaskedDiffusionObjective
 
 
 @dataclass
-class DLMTrainingArguments(ParallelArguments, TrainingArguments):  # device-mesh fields: ParallelArguments
-    # -- objective -------------------------------------------------------------------------------
+class ObjectiveArguments:
+    """The masked-diffusion objective's fields (a mixin of both trainers' arguments): a preset, the fields
+    set here on top of it (None keeps the preset's value), and the noise seed. `build_objective` turns them
+    into a `MaskedDiffusionObjective` for a model config (mask id and label alignment from the model)."""
+
+    # a trainer's own defaults between the preset and the explicit fields (DLMSFTConfig: LLaDA's SFT recipe)
+    _objective_defaults: ClassVar[dict] = {}
+    _OBJECTIVE_FIELDS: ClassVar[tuple] = ("schedule", "weighting", "t_sampling", "eps", "normalization",
+                                          "at_least_one_masked", "random_length_prob")
+
     objective_preset: str | None = field(
         default="mdlm",
         metadata={"help": f"Objective preset, one of {sorted(PRESETS)} (see hf_dlm.diffusion.objective.PRESETS); "
@@ -53,7 +68,44 @@ class DLMTrainingArguments(ParallelArguments, TrainingArguments):  # device-mesh
         metadata={"help": "Seed of the diffusion noise, keyed with each sample's global index so the noise does not "
                           "depend on world size, micro-batch or resume point. None: `seed`."},
     )
-    # -- logging and evaluation ------------------------------------------------------------------
+
+    def _validate_objective_fields(self) -> None:
+        fail = self._field_error
+        if self.objective_preset is not None and self.objective_preset not in PRESETS:
+            fail("objective_preset", f"one of {sorted(PRESETS)} or None")
+        for name, allowed in (("schedule", SCHEDULES), ("weighting", WEIGHTINGS), ("t_sampling", T_SAMPLINGS),
+                              ("normalization", NORMALIZATIONS)):
+            if getattr(self, name) is not None and getattr(self, name) not in allowed:
+                fail(name, f"one of {allowed} or None")
+        if self.eps is not None and not 0.0 <= self.eps < 1.0:
+            fail("eps", "in [0, 1)")
+        if self.random_length_prob is not None and not 0.0 <= self.random_length_prob <= 1.0:
+            fail("random_length_prob", "in [0, 1]")
+
+    def _field_error(self, name: str, expected: str):
+        raise FieldError(name, f"{type(self).__name__}.{name} must be {expected}, got {getattr(self, name)!r}",
+                         getattr(self, name))
+
+    def objective_settings(self) -> dict:
+        """The objective fields on top of the preset: this trainer's defaults, then the fields set here."""
+        settings = dict(self._objective_defaults)
+        settings.update({name: getattr(self, name) for name in self._OBJECTIVE_FIELDS if getattr(self, name) is not None})
+        settings.update(getattr(self, "_extra_objective_settings", None) or {})
+        settings["seed"] = self.seed if self.objective_seed is None else self.objective_seed
+        return settings
+
+    def build_objective(self, model_config) -> MaskedDiffusionObjective:
+        """The objective for a DLMConfig: mask id and label alignment from the model, the rest from here."""
+        return MaskedDiffusionObjective.from_model_config(model_config, preset=self.objective_preset,
+                                                          **self.objective_settings())
+
+
+@dataclass
+class DiffusionTrainingFields:
+    """What every diffusion trainer reads besides the objective (a mixin of both trainers' arguments):
+    throughput statistics, float8 / compile / residual precision (through hf_dlm.parallel.parallelize) and
+    the output-folder guard."""
+
     peak_flops: float = field(
         default=989e12,
         metadata={"help": "Peak FLOP/s of one accelerator for the MFU figure (H100/H200 dense bf16: 989e12). "
@@ -64,10 +116,6 @@ class DLMTrainingArguments(ParallelArguments, TrainingArguments):  # device-mesh
         metadata={"help": "Number of equal-width t buckets for the logged masked-token cross-entropy by t "
                           "(`ce_t/<lo>-<hi>`); 0 turns it off. Read from the backward pass, so it costs no forward."},
     )
-    eval_mc_num: int = field(
-        default=8, metadata={"help": "Monte Carlo draws per sequence of the ELBO bound used for evaluation."})
-    eval_seed: int = field(default=0, metadata={"help": "Seed of the ELBO evaluation's masking draws."})
-    # -- parallelisation (applied through hf_dlm.parallel.parallelize) ----------------------------
     fp8_recipe: str | None = field(
         default=None,
         metadata={"help": f"Float8 training recipe for the linear layers, one of {FP8_RECIPES} (torchao's, or "
@@ -103,6 +151,32 @@ class DLMTrainingArguments(ParallelArguments, TrainingArguments):  # device-mesh
                           "are then overwritten as the new run saves). False: `train()` refuses such a folder unless "
                           "resume_from_checkpoint is given."},
     )
+
+    def _validate_diffusion_fields(self) -> None:
+        fail = self._field_error
+        if not self.peak_flops > 0:
+            fail("peak_flops", "positive")
+        if self.t_buckets < 0:
+            fail("t_buckets", ">= 0")
+        if self.fp8_recipe is not None and self.fp8_recipe not in FP8_RECIPES:
+            fail("fp8_recipe", f"one of {FP8_RECIPES} or None")
+        if self.fp8_min_features < 16:
+            fail("fp8_min_features", "at least 16 (float8 GEMMs need dimensions of 16 or more)")
+        if self.fp8_fast_accum and self.fp8_recipe is None:
+            fail("fp8_fast_accum", "False unless fp8_recipe is set")
+        if self.low_precision_residual and not (self.bf16 or self.fp16):
+            fail("low_precision_residual", "False unless bf16 or fp16 is set (it acts under autocast)")
+        if not isinstance(self.compile_blocks, bool):
+            fail("compile_blocks", "a bool")
+
+
+@dataclass
+class DLMTrainingArguments(ObjectiveArguments, DiffusionTrainingFields, ParallelArguments, TrainingArguments):
+    # -- evaluation --------------------------------------------------------------------------------
+    eval_mc_num: int = field(
+        default=8, metadata={"help": "Monte Carlo draws per sequence of the ELBO bound used for evaluation."})
+    eval_seed: int = field(default=0, metadata={"help": "Seed of the ELBO evaluation's masking draws."})
+    # -- pipeline parallel (hf_dlm.parallel.pipeline) -------------------------------------------
     pp_size: int = field(
         default=1,
         metadata={"help": "Pipeline-parallel stages (hf_dlm.parallel.pipeline): the model is cut at decoder-layer "
@@ -147,43 +221,19 @@ class DLMTrainingArguments(ParallelArguments, TrainingArguments):  # device-mesh
         super().__post_init__()
 
     def _validate_dlm_fields(self) -> None:
-        def fail(name, expected):
-            raise ValueError(f"DLMTrainingArguments.{name} must be {expected}, got {getattr(self, name)!r}")
-
+        fail = self._field_error
         if self.max_steps == 0 or self.max_steps < -1:
             fail("max_steps", ">= 1, or -1 to train for num_train_epochs")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 fail(name, ">= 1")
-        if self.objective_preset is not None and self.objective_preset not in PRESETS:
-            fail("objective_preset", f"one of {sorted(PRESETS)} or None")
-        for name, allowed in (("schedule", SCHEDULES), ("weighting", WEIGHTINGS), ("t_sampling", T_SAMPLINGS),
-                              ("normalization", NORMALIZATIONS)):
-            if getattr(self, name) is not None and getattr(self, name) not in allowed:
-                fail(name, f"one of {allowed} or None")
-        if self.eps is not None and not 0.0 <= self.eps < 1.0:
-            fail("eps", "in [0, 1)")
-        if self.random_length_prob is not None and not 0.0 <= self.random_length_prob <= 1.0:
-            fail("random_length_prob", "in [0, 1]")
-        if not self.peak_flops > 0:
-            fail("peak_flops", "positive")
-        if self.t_buckets < 0:
-            fail("t_buckets", ">= 0")
+        self._validate_objective_fields()
+        self._validate_diffusion_fields()
         if self.eval_mc_num < 1:
             fail("eval_mc_num", ">= 1")
-        if self.fp8_recipe is not None and self.fp8_recipe not in FP8_RECIPES:
-            fail("fp8_recipe", f"one of {FP8_RECIPES} or None")
         if not self.average_tokens_across_devices:
             # DLMTrainer always normalises by the global number of supervised items (exact accumulation)
             fail("average_tokens_across_devices", "True (the loss is normalised over all ranks)")
-        if self.fp8_min_features < 16:
-            fail("fp8_min_features", "at least 16 (float8 GEMMs need dimensions of 16 or more)")
-        if self.fp8_fast_accum and self.fp8_recipe is None:
-            fail("fp8_fast_accum", "False unless fp8_recipe is set")
-        if self.low_precision_residual and not (self.bf16 or self.fp16):
-            fail("low_precision_residual", "False unless bf16 or fp16 is set (it acts under autocast)")
-        if not isinstance(self.compile_blocks, bool):
-            fail("compile_blocks", "a bool")
         self._validate_pipeline_fields(fail)
 
     def _validate_pipeline_fields(self, fail) -> None:
@@ -207,16 +257,3 @@ class DLMTrainingArguments(ParallelArguments, TrainingArguments):  # device-mesh
                          "pipeline schedule replaces; use bf16)")
         if self.pp_schedule == "1f1b" and self.gradient_accumulation_steps < self.pp_size:
             fail("gradient_accumulation_steps", f">= pp_size={self.pp_size} with pp_schedule='1f1b' (its micro-batches)")
-
-    def objective_overrides(self) -> dict:
-        """The objective fields set explicitly here (None means: keep the preset's value)."""
-        names = ("schedule", "weighting", "t_sampling", "eps", "normalization", "at_least_one_masked",
-                 "random_length_prob")
-        overrides = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-        overrides["seed"] = self.seed if self.objective_seed is None else self.objective_seed
-        return overrides
-
-    def build_objective(self, model_config) -> MaskedDiffusionObjective:
-        """The objective for a DLMConfig: mask id and label alignment from the model, the rest from here."""
-        return MaskedDiffusionObjective.from_model_config(model_config, preset=self.objective_preset,
-                                                          **self.objective_overrides())

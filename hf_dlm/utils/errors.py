@@ -19,4 +19,12 @@ class FieldError(ValueError):
         self.has_value = value is not _UNSET
 
 
-__all__ = ["FieldError"]
+class ConfigError(FieldError):
+    """A bad entry of a YAML training config (`hf-dlm train`); `field` is its dotted path
+    (`training.max_steps`, `model.config.hidden_size`) when the error is about one entry."""
+
+    def __init__(self, message: str, field: str | None = None, value=_UNSET):
+        super().__init__(field, message, value)
+
+
+__all__ = ["FieldError", "ConfigError"]

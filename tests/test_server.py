@@ -1,0 +1,297 @@
+"""The OpenAI-compatible server against the requests that used to break it (issue 27): each defect has its
+test here, on a real uvicorn at 127.0.0.1 over a tiny model of 64 positions."""
+
+import json
+import re
+import threading
+
+import pytest
+import torch
+
+from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
+
+from tests.utils import ThreadedServer, tiny_served_model
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+DLM = {"block_length": 4, "steps": 8}
+POSITIONS = 64
+
+
+def start_server(**settings):
+    from hf_dlm.serving.app import ServerSettings, create_app
+
+    model, tokenizer = tiny_served_model(max_position_embeddings=POSITIONS)
+    engine = ContinuousBatchingEngine(model, max_batch_size=8, max_waiting=64, eos_token_id=tokenizer.eos_token_id)
+    options = dict(model_name="tiny", aliases=("tiny-dlm",), max_prompt_tokens=48, max_output_tokens=64,
+                   default_max_tokens=8)
+    logged = []
+    running = ThreadedServer(create_app(engine, tokenizer, ServerSettings(**{**options, **settings}),
+                                        log=logged.append))
+    running.model, running.tokenizer, running.engine, running.logged = model, tokenizer, engine, logged
+    running.app_server = running.server.config.app.state.server
+    return running
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = start_server()
+    yield running
+    running.stop()
+
+
+def post(server, body, path="/v1/completions"):
+    # json.dumps escapes lone surrogates and writes NaN, as a client in another language may send them
+    response = httpx.post(server.url + path, content=json.dumps(body).encode(), timeout=60,
+                          headers={"content-type": "application/json"})
+    return response.status_code, response.json()
+
+
+def generated_ids(model, prompt_ids, max_tokens=16, seed=None, **options):
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, generator=generator, **options)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_unknown_model_is_404_model_not_found_and_every_accepted_name_is_listed(server):
+    listed = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
+    assert listed == ["tiny", "tiny-dlm"]
+    for name in listed:  # every listed name is served, and named back in the response
+        status, body = post(server, {"model": name, "prompt": "the quick", "max_tokens": 4})
+        assert status == 200 and body["model"] == name
+    status, body = post(server, {"model": "gpt-4o", "prompt": "the quick", "max_tokens": 4})
+    assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+    assert "tiny" in body["error"]["message"]
+    status, body = post(server, {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
+                        "/v1/chat/completions")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+def test_empty_prompt_list_is_400(server):
+    for prompt in ([], [""], ["the quick", ""]):
+        status, body = post(server, {"prompt": prompt, "max_tokens": 4})
+        assert status == 400 and body["error"]["param"] == "prompt", (prompt, body)
+
+
+def test_completion_tokens_count_the_generated_ids_not_a_retokenization(server):
+    prompt = "the quick brown"
+    ids = server.tokenizer(prompt)["input_ids"]
+    expected = generated_ids(server.model, ids, temperature=0.0, **DLM)  # no EOS among them on this model
+    assert server.tokenizer.eos_token_id not in expected
+    status, body = post(server, {"prompt": prompt, "max_tokens": 16, "temperature": 0, **DLM})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    text = body["choices"][0]["text"]
+    assert text == server.tokenizer.decode(expected, skip_special_tokens=True)
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 16, "total_tokens": len(ids) + 16}
+    # what the old count gave: the decoded text re-tokenized is another number on this tokenizer
+    assert len(server.tokenizer(text, add_special_tokens=False)["input_ids"]) != 16
+    # n choices and max_tokens cutting a block: counted per choice, up to max_tokens
+    status, body = post(server, {"prompt": prompt, "max_tokens": 6, "n": 3, "temperature": 1.0, "seed": 3, **DLM})
+    assert status == 200 and body["usage"]["completion_tokens"] == 18
+
+
+def test_completion_tokens_stop_at_the_token_that_completes_a_stop_sequence():
+    from hf_dlm.serving.app import answer_token_count
+
+    class Chars:  # token id i decodes to chr(i); EOS is id 0
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids if i)
+
+    tokens = [ord(c) for c in "abcdefgh"]
+    assert answer_token_count(Chars(), tokens, [0], [], 8) == 8
+    assert answer_token_count(Chars(), tokens, [0], [], 5) == 5  # cut at max_tokens
+    assert answer_token_count(Chars(), tokens[:3] + [0] + tokens[3:], [0], [], 8) == 4  # through the EOS
+    assert answer_token_count(Chars(), tokens, [0], ["de"], 8) == 5  # "abcde" is the first prefix holding "de"
+    assert answer_token_count(Chars(), tokens, [0], ["xy", "b"], 8) == 2
+    assert answer_token_count(Chars(), tokens, [0], ["gh"], 6) == 6  # the stop sequence lies beyond max_tokens
+
+
+def test_invalid_json_names_no_field(server):
+    for raw in (b'{"prompt": "the quick", "max_tokens": 4,, }', b'{"prompt": "x"', b"\xff\xfe{}", b"[" * 100000):
+        response = httpx.post(server.url + "/v1/completions", content=raw, timeout=60,
+                              headers={"content-type": "application/json"})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] is None, (raw[:40], error)
+    for body in ([], 5, "prompt", None):  # JSON, but not an object
+        status, reply = post(server, body)
+        assert status == 422 and reply["error"]["param"] is None, (body, reply)
+
+
+def test_fields_are_validated_before_queueing(server):
+    cases = [  # body, status, param
+        ({"prompt": "x", "seed": 2**64}, 422, "seed"),  # used to hang the server (torch.Generator refuses it)
+        ({"prompt": "x", "seed": -1}, 422, "seed"),
+        ({"prompt": "x", "seed": 2**63 - 1, "n": 2, "temperature": 1.0}, 400, "seed"),  # choice 1: seed + 1
+        ({"prompt": "x", "max_tokens": 64}, 400, "max_tokens"),  # prompt + 64 > the model's 64 positions
+        ({"prompt": "x", "max_tokens": 60, "block_length": 32}, 400, "block_length"),  # canvas rounds up to 64
+        ({"prompt": "x", "max_tokens": 10**30}, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 8, "steps": 9}, 400, "steps"),
+        ({"prompt": "x", "max_tokens": 8, "steps": 10**30}, 400, "steps"),
+        ({"prompt": "x", "max_tokens": 8, "block_length": 4, "steps": 3}, 400, "steps"),  # a FieldError's field
+        ({"prompt": "x", "top_k": 10**6}, 400, "top_k"),
+        ({"prompt": [5, 300]}, 400, "prompt"),  # token ids beyond the vocabulary
+        ({"prompt": [5, -1]}, 400, "prompt"),
+        ({"prompt": "x", "max_tokens": "8"}, 422, "max_tokens"),  # strict types: no coercion
+        ({"prompt": "x", "max_tokens": 8.0}, 422, "max_tokens"),
+        ({"prompt": "x", "n": True}, 422, "n"),
+        ({"prompt": "x", "stream": "yes"}, 422, "stream"),
+        ({"prompt": [1, "a"]}, 422, "prompt"),
+        ({"prompt": "x", "n": 17}, 422, "n"),
+        ({"prompt": ["x"] * 17, "n": 4}, 400, "n"),  # 68 sequences in one request
+        ({"prompt": "x", "stop": "a", "logit_bias": {"5": 1}}, 422, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, 422, "messages.0.extra"),
+        ({"messages": [{"role": "user", "content": ["x"]}]}, 422, "messages.0.content"),
+        ({"prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate: valid JSON, no UTF-8
+    ]
+    before = dict(server.engine.stats)
+    for body, status, param in cases:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        got_status, reply = post(server, body, path)
+        assert (got_status, reply["error"]["param"]) == (status, param), (body, reply)
+        assert reply["error"]["message"]
+    assert server.engine.stats["requests_admitted"] == before["requests_admitted"]  # nothing reached the engine
+    # NaN and infinities are valid Python JSON but no temperature
+    for value in (float("nan"), float("inf"), -float("inf")):
+        status, reply = post(server, {"prompt": "x", "temperature": value})
+        assert status == 422 and reply["error"]["param"] == "temperature"
+    # the limits themselves are served: the largest seed, the full 64 positions
+    prompt_ids = server.tokenizer("the quick brown")["input_ids"]
+    status, body = post(server, {"prompt": prompt_ids, "max_tokens": POSITIONS - len(prompt_ids), "steps": 8,
+                                 "block_length": POSITIONS - len(prompt_ids), "seed": 2**63 - 1, "temperature": 1.0})
+    assert status == 200 and body["choices"][0]["text"] is not None
+
+
+def test_field_mapping_reaches_the_sampler(server):
+    # every OpenAI / diffusion field lands on its DLMGenerationConfig name: the answer equals generate() with them
+    from hf_dlm.serving.protocol import CompletionRequest
+
+    body = {"prompt": "a diffusion", "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "top_k": 50, "steps": 4,
+            "block_length": 4, "remasking": "margin", "seed": 11}
+    assert CompletionRequest.model_validate(body).generation_overrides() == {
+        "max_new_tokens": 8, "temperature": 0.8, "top_p": 0.9, "top_k": 50, "steps": 4, "block_length": 4,
+        "remasking": "margin"}
+    ids = server.tokenizer(body["prompt"])["input_ids"]
+    expected = generated_ids(server.model, ids, 8, 11, temperature=0.8, top_p=0.9, top_k=50, steps=4, block_length=4,
+                             remasking="margin")
+    eos = server.tokenizer.eos_token_id
+    expected = expected[: expected.index(eos)] if eos in expected else expected
+    status, reply = post(server, body)
+    assert status == 200 and reply["choices"][0]["text"] == server.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_chat_without_a_template_is_400_naming_the_fix(server):
+    from tests.utils import SERVING_CHAT_TEMPLATE as CHAT_TEMPLATE
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    tokenizer, settings = server.tokenizer, server.app_server.settings
+    tokenizer.chat_template = None
+    try:
+        status, reply = post(server, body, "/v1/chat/completions")
+        assert status == 400 and reply["error"]["param"] == "messages"
+        assert "--chat-template" in reply["error"]["message"] and "/v1/completions" in reply["error"]["message"]
+        settings.chat_template = CHAT_TEMPLATE  # the fix it names: the server's own template
+        status, reply = post(server, body, "/v1/chat/completions")
+        assert status == 200 and reply["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        tokenizer.chat_template, settings.chat_template = CHAT_TEMPLATE, None
+    # a template that raises on these messages is the request's problem, not the server's
+    settings.chat_template = "{{ raise_exception('only user messages') }}"
+    try:
+        status, reply = post(server, body, "/v1/chat/completions")
+        assert status == 400 and "only user messages" in reply["error"]["message"]
+    finally:
+        settings.chat_template = None
+
+
+def test_a_failing_row_fails_its_request_alone_and_frees_its_slot(server, monkeypatch):
+    from hf_dlm.serving import app as app_module
+
+    stopped = app_module._Choice._stopped
+
+    def poisoned(choice, generated):  # a bug on one row's path (here its stop check, on the engine thread)
+        if choice.request.prompt_ids[: len(poison)] == poison:
+            raise RuntimeError("poisoned row")
+        return stopped(choice, generated)
+
+    poison = server.tokenizer("lazy dog")["input_ids"]
+    monkeypatch.setattr(app_module._Choice, "_stopped", poisoned)
+    results = {}
+
+    def call(name, body):
+        results[name] = post(server, body)
+
+    threads = [threading.Thread(target=call, args=(f"ok{i}", {"prompt": f"the quick {i}", "max_tokens": 16, **DLM}))
+               for i in range(4)] + [threading.Thread(target=call, args=("bad", {"prompt": "lazy dog", "max_tokens": 16,
+                                                                                   **DLM}))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    status, reply = results["bad"]
+    assert status == 500 and reply["error"]["type"] == "server_error" and "poisoned row" in reply["error"]["message"]
+    assert all(results[f"ok{i}"][0] == 200 for i in range(4)), results
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": "lazy dog", "max_tokens": 8, "stream": True, **DLM}) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert "poisoned row" in events[-2] and events[-1] == "data: [DONE]"
+    assert server.engine.num_running == 0 and server.engine.num_waiting == 0  # the slots are free
+    monkeypatch.undo()
+    assert post(server, {"prompt": "lazy dog", "max_tokens": 8, **DLM})[0] == 200
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_engine_rows_that_cannot_start_or_whose_callback_raises_fail_alone():
+    model, tokenizer = tiny_served_model(max_position_embeddings=POSITIONS)
+    engine = ContinuousBatchingEngine(model, max_batch_size=8)
+    done = {}
+
+    def request(name, seed=None, **hooks):
+        params = engine.sampling_params(max_new_tokens=8, block_length=4, steps=8, temperature=1.0, seed=seed)
+        params.seed = seed  # past the server's checks: torch.Generator refuses seeds >= 2**64
+
+        def on_done(r, reason, error):
+            done[name] = (reason, error)
+
+        return GenerationRequest([5, 6, 7], params, on_done=on_done, **hooks)
+
+    def raising(generated):
+        raise RuntimeError("stop check failed")
+
+    rows = {"ok": request("ok", seed=1), "bad_seed": request("bad_seed", seed=2**64),
+            "bad_callback": request("bad_callback", seed=2, stop_check=raising), "ok2": request("ok2", seed=3)}
+    engine.submit(list(rows.values()))
+    engine.run_until_idle()
+    assert done["bad_seed"][0] == "error" and isinstance(done["bad_seed"][1], Exception)
+    assert done["bad_callback"][0] == "error" and "stop check failed" in str(done["bad_callback"][1])
+    for name, seed in (("ok", 1), ("ok2", 3)):
+        assert done[name] == ("length", None) or done[name][0] == "stop"
+        expected = generated_ids(model, [5, 6, 7], 8, seed, block_length=4, steps=8,
+                                 temperature=1.0)
+        assert rows[name].generated == expected[: len(rows[name].generated)]
+    assert engine.num_running == 0 and engine.num_waiting == 0
+    assert engine.stats["requests_failed"] == 2
+
+
+class _EngineCrash(BaseException):
+    """Escapes the engine loop's `except Exception`: the thread dies as it would on a bug there."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_thread_fails_open_requests_and_health_says_so():
+    running = start_server()
+    try:
+        def crash():
+            raise _EngineCrash("engine bug")
+
+        running.engine.step = crash
+        status, reply = post(running, {"prompt": "the quick", "max_tokens": 8, **DLM})  # open when the engine dies
+        assert status == 503 and reply["error"]["type"] == "server_error"
+        assert "engine stopped" in reply["error"]["message"]
+        health = httpx.get(running.url + "/health", timeout=60)
+        assert health.status_code == 503 and health.json()["status"] == "error"
+        assert post(running, {"prompt": "the quick", "max_tokens": 8})[0] == 503  # refused at once, not queued
+        assert any(re.search("ERROR: the generation engine stopped", line) for line in running.logged)
+    finally:
+        running.stop()

@@ -1,0 +1,186 @@
+"""DLMSFTTrainer gets what DLMTrainer has, through the same hooks (training/diffusion_batch.py and
+training/checkpointing.py): atomic checkpoints and exact resume across an epoch boundary, float8 (hf-dlm's
+delayed recipe, its amax histories restored on resume), per-block compile, and tokens/s, MFU and
+masked-token cross-entropy by t in the logs (the latter checked against a forward pass by hand)."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+
+from hf_dlm.training.checkpointing import FLOAT8_STATE_NAME, OBJECTIVE_NAME, STAGING_DIR  # noqa: E402
+from tests.sft_utils import flat_params, logged, sft_trainer  # noqa: E402
+from tests.trainer_utils import StopAfter  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """6 steps over 8 rows, 4 per step: 3 epochs, so the resume below crosses an epoch boundary."""
+    trainer = sft_trainer(tmp_path_factory.mktemp("straight"), rows=8, max_steps=6)
+    trainer.train()
+    return trainer
+
+
+def test_sft_resume_reproduces_the_uninterrupted_run(straight, tmp_path):
+    assert len(straight.step_losses) == 6 and logged(straight, "learning_rate")[2] > 0
+    # every pass over the 8 rows draws new noise: keys epoch * 8 + row
+    assert sorted(straight.sample_indices) == list(range(24))
+    first = sft_trainer(tmp_path, rows=8, max_steps=6, save_strategy="steps", save_steps=3)
+    first.add_callback(StopAfter(3))
+    first.train()
+    checkpoint = tmp_path / "checkpoint-3"
+    assert (checkpoint / OBJECTIVE_NAME).is_file() and not (tmp_path / STAGING_DIR).exists()
+    resumed = sft_trainer(tmp_path, rows=8, max_steps=6, save_strategy="steps", save_steps=3, model_seed=1)
+    resumed.train(resume_from_checkpoint=True)
+    assert first.sample_indices + resumed.sample_indices == straight.sample_indices
+    torch.testing.assert_close(torch.tensor(first.step_losses + resumed.step_losses, dtype=torch.float64),
+                               torch.tensor(straight.step_losses, dtype=torch.float64), rtol=0, atol=1e-6)
+    torch.testing.assert_close(flat_params(resumed.model), flat_params(straight.model), rtol=0, atol=1e-6)
+
+
+def test_sft_interrupted_save_leaves_the_previous_checkpoint(straight, tmp_path):
+    trainer = sft_trainer(tmp_path, rows=8, max_steps=6, save_strategy="steps", save_steps=3)
+
+    def crash(output_dir):  # the process dies after the model and optimizer of step 6 were written
+        if trainer.state.global_step == 6:
+            raise RuntimeError("simulated crash during save")
+
+    trainer._save_rng_state = crash
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer.train()
+    assert os.path.isfile(tmp_path / STAGING_DIR / "checkpoint-6" / "model.safetensors")  # the partial save
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-3")
+    with pytest.raises(ValueError, match="already holds checkpoint-3"):  # never trained over by accident
+        sft_trainer(tmp_path, rows=8, max_steps=6).train()
+    resumed = sft_trainer(tmp_path, rows=8, max_steps=6, save_strategy="steps", save_steps=3, model_seed=1)
+    resumed.train(resume_from_checkpoint=True)
+    torch.testing.assert_close(flat_params(resumed.model), flat_params(straight.model), rtol=0, atol=1e-6)
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-6") and not (tmp_path / STAGING_DIR).exists()
+
+
+def test_sft_delayed_float8_trains_and_resumes_its_amax_histories(straight, tmp_path):
+    """fp8_recipe='delayed' converts the linears before accelerate wraps the model; 2 + resume + 2 steps equal
+    4 straight (the resumed first step would scale dynamically without the saved histories)."""
+    from hf_dlm.parallel.float8_delayed import DelayedFloat8Linear
+
+    common = dict(rows=8, max_steps=4, save_strategy="steps", save_steps=2, fp8_recipe="delayed", fp8_min_features=16)
+    fp8 = sft_trainer(tmp_path / "straight", **common)
+    layer = fp8.accelerator.unwrap_model(fp8.model).model.layers[0].mlp.up_proj
+    assert isinstance(layer, DelayedFloat8Linear)
+    fp8.train()
+    assert (layer.amax_history[:, :4] > 0).all() and (layer.amax_history[:, 4:] == 0).all()
+    torch.testing.assert_close(torch.tensor(fp8.step_losses), torch.tensor(straight.step_losses[:4]), rtol=0.05, atol=0)
+    first = sft_trainer(tmp_path / "split", **common)
+    first.add_callback(StopAfter(2))
+    first.train()
+    assert (tmp_path / "split" / "checkpoint-2" / FLOAT8_STATE_NAME.format(rank=0)).is_file()
+    resumed = sft_trainer(tmp_path / "split", model_seed=1, **common)
+    resumed.train(resume_from_checkpoint=True)
+    torch.testing.assert_close(torch.tensor(first.step_losses + resumed.step_losses, dtype=torch.float64),
+                               torch.tensor(fp8.step_losses, dtype=torch.float64), rtol=0, atol=1e-6)
+
+
+def test_sft_compile_blocks_equals_eager(straight, tmp_path):
+    compiled = sft_trainer(tmp_path, rows=8, max_steps=2, compile_blocks=True)
+    layers = compiled.accelerator.unwrap_model(compiled.model).model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    compiled.train()
+    torch.testing.assert_close(torch.tensor(compiled.step_losses), torch.tensor(straight.step_losses[:2]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_sft_logs_throughput_mfu_and_cross_entropy_by_t(tmp_path):
+    """One step, one t bucket: the logged `ce_t/0.00-1.00` (read from d loss / d label_weights) equals the
+    masked tokens' mean cross-entropy of a forward pass by hand; masked_fraction counts them over real tokens;
+    MFU is tokens/s x (6N + 12 L h s) / peak."""
+    trainer = sft_trainer(tmp_path, rows=8, max_steps=1, t_buckets=1, peak_flops=1e9)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    seen = []
+    corrupt = trainer._corrupt
+    trainer._corrupt = lambda batch, device, t_group=None: seen.append(corrupt(batch, device, t_group)) or seen[-1]
+    trainer.train()
+    (inputs,) = seen
+    log = trainer.state.log_history[0]
+    reference = type(model)(model.config)
+    reference.load_state_dict(start)
+    with torch.no_grad():
+        logits = reference(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    labels = inputs["labels"]
+    masked = labels != -100
+    ce = torch.nn.functional.cross_entropy(logits[masked].double(), labels[masked], reduction="sum")
+    assert masked.sum() > 0
+    assert log["ce_t/0.00-1.00"] == pytest.approx(float(ce / masked.sum()), rel=1e-4)
+    real = int(inputs["attention_mask"].sum())
+    assert log["masked_fraction"] == pytest.approx(float(masked.sum()) / real, rel=1e-6)
+    config, length = model.config, inputs["input_ids"].shape[1]
+    flops = 6 * sum(p.numel() for p in model.parameters()) + 12 * config.num_hidden_layers * config.hidden_size * length
+    assert log["mfu"] == pytest.approx(log["tokens_per_second"] * flops / 1e9, rel=1e-6)
+    assert log["supervised_fraction"] < 1 and log["num_tokens"] == real
+
+
+def test_one_spelling_per_setting_in_both_trainers_arguments(tmp_path):
+    """Objective fields, layout fields and the padding policy are spelled the same in DLMTrainingArguments and
+    DLMSFTConfig; the old spellings (objective_overrides, SFTDataConfig.padding, parallelism_config) are
+    turned into them, the deprecated ones with a FutureWarning, disagreeing pairs refused by field."""
+    import warnings
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hf_dlm import DLMConfig
+    from hf_dlm.data.sft_data import SFTDataConfig
+    from hf_dlm.training.training_args import DLMTrainingArguments
+    from hf_dlm.utils.errors import FieldError
+    from tests.sft_utils import sft_config
+
+    config = DLMConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, mask_token_id=31)
+    fields = dict(normalization="token", t_sampling="antithetic", eps=0.01, objective_seed=5)
+    sft = sft_config(tmp_path, **fields).build_objective(config)
+    pretrain = DLMTrainingArguments(output_dir=str(tmp_path), use_cpu=True, objective_preset="llada",
+                                    random_length_prob=0.0, **fields).build_objective(config)
+    assert sft.to_dict() == pretrain.to_dict()
+    assert (sft.normalization, sft.t_sampling, sft.eps, sft.seed) == ("token", "antithetic", 0.01, 5)
+    # the SFT defaults (LLaDA's recipe) apply where a field is not set
+    default = sft_config(tmp_path).build_objective(config)
+    assert (default.normalization, default.random_length_prob, default.seed) == ("sequence", 0.0, 0)
+    with pytest.warns(FutureWarning, match="objective_overrides is deprecated"):
+        old = sft_config(tmp_path, objective_overrides={"normalization": "token", "t_sampling": "antithetic",
+                                                        "eps": 0.01, "seed": 5})
+    assert old.objective_overrides is None and old.build_objective(config).to_dict() == sft.to_dict()
+    with pytest.raises(FieldError, match="normalization") as error, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        sft_config(tmp_path, normalization="masked", objective_overrides={"normalization": "token"})
+    assert error.value.field == "normalization"
+    with pytest.raises(FieldError, match="DLMSFTConfig.schedule must be") as error:
+        sft_config(tmp_path, schedule="square")
+    assert (error.value.field, error.value.value) == ("schedule", "square")
+
+    # one layout spelling: accelerate's ParallelismConfig becomes hf-dlm's fields, in both argument classes
+    for build in (lambda **kw: sft_config(tmp_path, **kw),
+                  lambda **kw: DLMTrainingArguments(output_dir=str(tmp_path), use_cpu=True, **kw)):
+        args = build(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2, cp_size=2))
+        assert (args.dp_shard_size, args.tp_size, args.cp_size, args.parallelism_config) == (2, 2, 2, None)
+        with pytest.raises(FieldError, match="tp_size=4 disagrees with parallelism_config.tp_size=2") as error:
+            build(tp_size=4, parallelism_config=ParallelismConfig(tp_size=2))
+        assert error.value.field == "tp_size"
+
+    # one padding spelling: padding_policy (SFTDataConfig.padding is the deprecated alias)
+    assert SFTDataConfig(padding_policy="exclude").padding_policy == "exclude"
+    with pytest.warns(FutureWarning, match="use padding_policy"):
+        assert SFTDataConfig(padding="exclude").padding_policy == "exclude"
+    with pytest.raises(FieldError, match="padding_policy must be one of") as error:
+        sft_config(tmp_path, padding_policy="left")
+    assert error.value.field == "padding_policy"

@@ -62,9 +62,6 @@ def test_engine_rows_decode_as_generate_alone_while_sharing_forwards():
     assert engine.stats["max_forward_rows"] == 8 and engine.stats["forward_rows"] > engine.stats["forward_passes"]
     with pytest.raises(ValueError, match="multiple of the number of blocks"):
         engine.sampling_params(max_new_tokens=8, block_length=4, steps=3)
-    engine.model.config._attn_implementation = "flex_attention"
-    with pytest.raises(ValueError, match="cache='dual' in the serving engine needs"):
-        engine.sampling_params(max_new_tokens=8, cache="dual")
 
 
 def test_engine_classifier_free_guidance_decodes_as_generate():

@@ -261,6 +261,14 @@ def test_weighted_loss_of_a_uniform_model_by_hand():
         loss, inputs = Forced(mask_token_id=MASK_ID, **options)(model, IDS[:2], torch.arange(2))
         assert inputs["masked"].sum(1).tolist() == [2, 3]
         assert loss.item() == pytest.approx(expected, rel=1e-5), options
+    # Row 0's last two positions (unmasked) as padding: the default normaliser is still B * L = 20 (LLaDA's
+    # pretraining loss); token normalisation now counts the 18 real tokens. Without padding both are 20.
+    padded = torch.ones(2, 10, dtype=torch.long)
+    padded[0, 8:] = 0
+    for options, expected in (({}, 14 * log_v / 20), ({"normalization": "token"}, 14 * log_v / 18)):
+        loss, inputs = Forced(mask_token_id=MASK_ID, **options)(model, IDS[:2], torch.arange(2), padded)
+        assert inputs["masked"].sum(1).tolist() == [2, 3]
+        assert loss.item() == pytest.approx(expected, rel=1e-5), options
 
 
 def test_nothing_masked_gives_zero_loss_not_nan():

@@ -199,6 +199,9 @@ def test_short_window_runs_through_gpipe(pipeline_results):
 def test_split_layers_and_plan():
     assert [list(r) for r in split_layers(5, 2)] == [[0, 1, 2], [3, 4]]
     assert [list(r) for r in split_layers(6, 3, [1, 5])] == [[0], [1, 2, 3, 4], [5]]
+    # 7 = 3 + 2 + 2: only the first (7 mod 3 = 1) stage takes an extra layer; every layer once, in order
+    assert [list(r) for r in split_layers(7, 3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [list(r) for r in split_layers(4, 4)] == [[0], [1], [2], [3]]
     for bad in ([3, 1], [0, 2], [2]):
         with pytest.raises(ValueError, match="split_points"):
             split_layers(6, 3, bad)
@@ -225,6 +228,23 @@ def test_stages_chained_equal_the_model():
     for stage in stages:
         hidden = stage(hidden, labels=batches[0]["labels"], label_weights=batches[0]["label_weights"])
     expected = model(**batches[0], num_items_in_batch=items).loss
+    torch.testing.assert_close(hidden, expected.reshape(1), rtol=0, atol=1e-6)
+
+
+def test_stages_chained_equal_the_block_diffusion_model():
+    """Two-stream block-diffusion training (noisy then clean halves, 2L positions): the last stage scores the
+    noisy half only, as the model does. Same kernels in the same order, so 1e-6 is float32 rounding slack."""
+    model = tiny_model("sdpa", num_hidden_layers=LAYERS, attention_mode="block", block_size=4).train()
+    batches, items = _micro_batches()
+    clean = torch.randint(0, VOCAB - 1, (ROWS, LENGTH), generator=torch.Generator().manual_seed(5))
+    plan = PipelinePlan.from_model(model)
+    stages = [DLMPipelineStageModule(model, r, i == 0, i == 1, plan) for i, r in enumerate(split_layers(LAYERS, 2))]
+    stages[-1].loss_normaliser = items
+    hidden = batches[0]["input_ids"]
+    for stage in stages:
+        hidden = stage(hidden, labels=batches[0]["labels"], label_weights=batches[0]["label_weights"],
+                       clean_input_ids=clean)
+    expected = model(**batches[0], clean_input_ids=clean, num_items_in_batch=items).loss
     torch.testing.assert_close(hidden, expected.reshape(1), rtol=0, atol=1e-6)
 
 
@@ -266,5 +286,8 @@ def test_schedule_terms_by_hand():
     assert inter["layers_per_rank"] == 8 and inter["in_flight_layers"] == 11 * 4
     sized = pipeline_schedule_terms(32, 4, 8, "1f1b", layer_state_bytes=100.0, layer_activation_bytes=10.0)
     assert sized["memory_bytes"] == 8 * 100 + 32 * 10
+    # 30 layers on 4 stages split 8, 8, 7, 7: the busiest rank holds ceil(30 / 4) = 8
+    uneven = pipeline_schedule_terms(30, 4, 8, "1f1b")
+    assert uneven["layers_per_rank"] == 8 == max(len(r) for r in split_layers(30, 4))
     with pytest.raises(ValueError, match="schedule must be one of"):
         pipeline_schedule_terms(32, 4, 8, "zb")

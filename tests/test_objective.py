@@ -279,3 +279,46 @@ def test_nothing_masked_gives_zero_loss_not_nan():
     for normalization in NORMALIZATIONS:
         loss, inputs = TinyT(mask_token_id=MASK_ID, normalization=normalization)(tiny_model(), IDS, torch.arange(4))
         assert not inputs["masked"].any() and loss.item() == 0.0, normalization
+
+
+def test_elbo_draws_are_stratified_transcription():
+    """The k-th of mc_num draws masks l = floor(u n) + 1 of a row's n scored tokens, u = (k + U) / mc_num
+    with U from the shared generator, then a uniformly random subset of that size (LLaDA's
+    `get_log_likelihood`: stratified mask counts)."""
+    from hf_dlm.diffusion.elbo import _shared_draw
+
+    scored = torch.ones(3, 10, dtype=torch.bool)
+    scored[1, 6:] = False
+    n_scored = scored.sum(1)
+    mine, reference = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    for k in range(4):
+        masked, n_masked = _shared_draw(scored, n_scored, k, 4, mine)
+        u = (k + torch.rand(3, generator=reference)) / 4
+        expected = torch.minimum((u * n_scored).floor().long() + 1, n_scored)
+        torch.rand(scored.shape, generator=reference)  # the subset's keys
+        assert n_masked.tolist() == expected.tolist() and masked.sum(1).tolist() == expected.tolist()
+        assert not (masked & ~scored).any()
+
+
+def test_shifted_elbo_never_scores_the_first_token():
+    """Shift alignment: nothing predicts token 0. A stand-in model that is certain of every token but the
+    first (uniform there) has a bound of 0 nats; scoring token 0 would add log V on its draws."""
+    from types import SimpleNamespace
+
+    ids = torch.randint(0, VOCAB - 1, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    class Certain(torch.nn.Module):
+        config = SimpleNamespace(mask_token_id=MASK_ID, label_alignment="shift")
+
+        def __init__(self):
+            super().__init__()
+            self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+        def denoising_logits(self, noisy, attention_mask=None, position_ids=None):
+            logits = torch.nn.functional.one_hot(ids, VOCAB).float() * 100.0
+            logits[:, 0] = 0.0
+            return logits
+
+    result = elbo_nll(Certain(), ids, mc_num=8)
+    assert result["num_tokens"] == 14
+    assert result["nll_per_token"] == pytest.approx(0.0, abs=1e-6)

@@ -91,3 +91,42 @@ def test_pack_documents_by_hand():
     assert ids.tolist() == [[5, 6], [7, 9]] and positions.tolist() == [[0, 1], [2, 0]]
     with pytest.raises(ValueError, match="one window"):
         pack_documents([[1]], 4)
+
+
+def test_window_sample_index_is_keyed_by_epoch():
+    """sample_index = epoch * N + i: unique across epochs, so every epoch draws new noise."""
+    from hf_dlm.data.memory_dataset import TokenWindowDataset
+
+    dataset = TokenWindowDataset(torch.arange(12).view(3, 4))
+    assert [dataset[i]["sample_index"] for i in range(3)] == [0, 1, 2]
+    dataset.set_epoch(2)
+    assert [dataset[i]["sample_index"] for i in range(3)] == [6, 7, 8]
+
+
+class _CharTokenizer:
+    """A character-level stand-in: one id per character, a plain chat template."""
+    eos_token_id, pad_token_id = 3, 0
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        text = "".join(f"<{m['role'][0]}>{m['content']}" for m in messages)
+        return text + ("<a>" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+@pytest.mark.parametrize("policy", ["eos", "exclude"])
+def test_sft_conversation_by_hand(policy):
+    """'<u>hi<a>' is the 8-token prompt (never masked, no loss), 'ok' the 2-token response; max_length 12
+    leaves 2 padding tokens: EOS and attended ('eos', LLaDA), or the pad token and out of attention."""
+    from hf_dlm.data.sft_data import SFTDataConfig, tokenize_conversation
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    out = tokenize_conversation(messages, _CharTokenizer(), SFTDataConfig(max_length=12, padding_policy=policy))
+    pad = 3 if policy == "eos" else 0
+    assert out["input_ids"].tolist() == [ord(c) for c in "<u>hi<a>ok"] + [pad, pad]
+    assert out["prompt_mask"].tolist() == [True] * 8 + [False] * 4
+    assert out["attention_mask"].tolist() == [1] * (12 if policy == "eos" else 10) + [0] * (0 if policy == "eos" else 2)
+    assert out["position_ids"].tolist() == list(range(12))
+    cut = tokenize_conversation(messages, _CharTokenizer(), SFTDataConfig(max_length=9, padding_policy=policy))
+    assert cut["input_ids"].tolist() == [ord(c) for c in "<u>hi<a>o"]  # the response is cut on the right

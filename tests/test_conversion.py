@@ -247,7 +247,12 @@ def test_megadlms_hf_folder(tmp_path):
     model = load_as_dlm("megadlms", tmp_path / "mega_hf")[0]
     model.config._attn_implementation = "eager"
     assert (model.config.mask_token_id, model.config.attention_mode, model.config.qk_norm) == (97, "bidirectional", True)
+    assert model.config.label_alignment == "same"  # MegaDLMs predicts token i at position i (no shift)
     assert_matches_source_bidirectionally(model, qwen3)
+    from hf_dlm.conversion.configs import megadlms_config
+
+    unset = {k: v for k, v in config.items() if k != "attn_mask_type"}
+    assert megadlms_config(unset)["attention_mode"] == "bidirectional"  # MegaDLMs' default attn_mask_type
 
 
 def test_unknown_source_key_is_an_error_naming_it(tmp_path):

@@ -225,3 +225,20 @@ def test_flattening_rules_on_a_synthetic_package(tmp_path, monkeypatch):
         "from .other import SCALE\nfrom .kernels import fast\n\n\ndef run(x):\n    return fast(x) * SCALE\n")
     with pytest.raises(NameError, match="SCALE"):
         generate_remote_code("fakedlm.modeling.config_x", "fakedlm.modeling.model_x")
+
+
+def test_model_card_fields_by_hand():
+    """Explicit arguments win over the provenance file, the architecture table reads each config field
+    under its own name, and the default pipeline tag is fill-mask (a DLM registers AutoModelForMaskedLM)."""
+    from hf_dlm.hub.model_card import build_model_card
+    from tests.utils import tiny_config
+
+    config = tiny_config(attention_mode="bidirectional", label_alignment="shift")
+    info = {"base_model": "org/from-info", "training": {"steps": 10, "lr": 0.1}}
+    card = build_model_card(config, base_model="org/explicit", training_details={"steps": 20}, info=info)
+    assert card.data.pipeline_tag == "fill-mask" and card.data.base_model == "org/explicit"
+    text = str(card)
+    assert "| label_alignment | `shift` |" in text and "| attention_mode | `bidirectional` |" in text
+    assert "| steps | `20` |" in text and "| lr | `0.1` |" in text and "| steps | `10` |" not in text
+    assert "org/from-info" not in text
+    assert build_model_card(config, info=info).data.base_model == "org/from-info"

@@ -107,3 +107,19 @@ def test_estimators_seeded_and_independent_of_row_order(name):
 def test_unknown_estimator_is_named():
     with pytest.raises(ValueError, match="mc_elbo"):
         build_estimator("ar", MASK_ID)
+
+
+@pytest.mark.parametrize("alignment", ["same", "shift"])
+def test_completion_logits_divide_by_the_temperature_and_align(alignment):
+    """The last K positions' logits / T ('same'), or those one to the left ('shift': logits at i - 1 predict
+    token i); compared with the full forward's logits (logits_to_keep only narrows the head: 1e-5 slack)."""
+    from hf_dlm.diffusion.logp_estimators import completion_logits
+
+    model = tiny_model(label_alignment=alignment, seed=2)
+    ids = torch.randint(0, VOCAB - 1, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask).logits.float()
+        got = completion_logits(model, ids, mask, 4, temperature=0.5)
+    want = full[:, -4:] if alignment == "same" else full[:, -5:-1]
+    torch.testing.assert_close(got, want / 0.5, rtol=1e-5, atol=1e-5)

@@ -135,3 +135,13 @@ def test_pipeline_layout_by_hand(schedule, in_flight_microbatches):
     plans = plan_layouts(DLMConfig(**QWEN3_1_7B), 4, 4096, 1)
     pipelines = [i for i, p in enumerate(plans) if p.layout.pp > 1]
     assert pipelines and min(pipelines) > max(i for i, p in enumerate(plans) if p.layout.pp == 1 and p.fits)
+
+
+def test_activation_bytes_shard_over_tp_and_gather_keys_over_cp_by_hand():
+    """hidden 64, 4 query heads / 2 kv heads of 16, ffn 128 (q = 64, kv = 32 wide). Per token and layer:
+    norms 16 h / tp, replicated bf16 inputs 10 h, head tensors (6 q + 6 kv + 2 q + 2 kv + 2 q + 2 q) / tp,
+    keys gathered over CP 2 kv cp / tp, MLP 8 ffn / tp."""
+    shape = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=100, tied=True)
+    assert shape.layer_activation_bytes() == 1024 + 640 + 1024 + 64 + 1024
+    assert shape.layer_activation_bytes(tp=2, cp=2) == 512 + 640 + 512 + 64 + 512
+    assert shape.layer_activation_bytes(cp=4) == 1024 + 640 + 1024 + 256 + 1024

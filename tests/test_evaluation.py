@@ -272,3 +272,49 @@ def test_generate_until_runs_the_decoding_core_with_its_commit_rules(setup, rule
     assert answer == expected.split("\n\n")[0]
     with pytest.raises(ValueError, match="editing_threshold"):
         make_lm(setup, editing_threshold="0.5").generate_until([_Request(context, {})], disable_tqdm=True)
+
+
+def test_causal_scores_by_hand():
+    """AR log-likelihood of the continuation: token j is scored by the logits at j - 1, prompt and padding
+    not at all (a transcription over the full forward; the same call, so exact up to float64 summation)."""
+    import torch
+
+    from hf_dlm.evaluation.scoring import _batch_rows, _causal_scores
+    from tests.utils import tiny_model
+
+    model = tiny_model(attention_mode="causal", seed=4).eval()
+    rows = [([5, 6, 7], [8, 9]), ([10, 11], [12, 13, 14])]
+    input_ids, attention_mask, prompt_mask = _batch_rows(rows, pad_token_id=0)
+    total, greedy = _causal_scores(model, input_ids, attention_mask, prompt_mask)
+    with torch.no_grad():
+        logp = model(input_ids=input_ids, attention_mask=attention_mask).logits.float().log_softmax(-1)
+    for r, (context, continuation) in enumerate(rows):
+        positions = range(len(context), len(context) + len(continuation))
+        expected = sum(float(logp[r, j - 1, input_ids[r, j]]) for j in positions)
+        assert float(total[r]) == pytest.approx(expected, rel=1e-6, abs=1e-6)
+        assert bool(greedy[r]) == all(int(logp[r, j - 1].argmax()) == int(input_ids[r, j]) for j in positions)
+
+
+def test_greedy_one_forward_checks_only_the_answer():
+    """A stand-in model that predicts every token right except position 0 (a prompt token): the answer is
+    greedy; predicting one answer token wrong makes it not greedy."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hf_dlm.evaluation.scoring import greedy_one_forward
+
+    ids = torch.tensor([[1, 2, 3, 4]])
+    answer = torch.tensor([[False, False, True, True]])
+
+    class StandIn:
+        def __init__(self, wrong):
+            self.wrong = wrong
+
+        def denoising_logits(self, noisy, attention_mask=None):
+            target = ids.clone()
+            target[0, self.wrong] = 0
+            return torch.nn.functional.one_hot(target, 8).float()
+
+    assert greedy_one_forward(StandIn(0), ids, None, answer, mask_id=7).tolist() == [True]
+    assert greedy_one_forward(StandIn(3), ids, None, answer, mask_id=7).tolist() == [False]

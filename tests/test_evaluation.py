@@ -283,7 +283,7 @@ def test_causal_scores_by_hand():
     from tests.utils import tiny_model
 
     model = tiny_model(attention_mode="causal", seed=4).eval()
-    rows = [([5, 6, 7], [8, 9]), ([10, 11], [12, 13, 14])]
+    rows = [([5, 6, 7], [8, 9]), ([10, 11], [12, 13, 14, 15])]  # row 0 right-padded by one
     input_ids, attention_mask, prompt_mask = _batch_rows(rows, pad_token_id=0)
     total, greedy = _causal_scores(model, input_ids, attention_mask, prompt_mask)
     with torch.no_grad():

@@ -143,8 +143,9 @@ def test_convert_with_a_mask_id_beyond_the_vocabulary_is_one_line(tmp_path, caps
     LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "llama")
     capsys.readouterr()  # the save's progress bar is not the command's output
-    assert cli_main(["convert", "--from", "llama", str(tmp_path / "llama"), str(tmp_path / "dlm"),
-                     "--mask-token-id", "128002"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "128002" in err and "mask" in err, err
+    for mask_id in ("128002", "64"):  # the README's Llama-3 id, and the first id past this vocabulary (0..63)
+        assert cli_main(["convert", "--from", "llama", str(tmp_path / "llama"), str(tmp_path / "dlm"),
+                         "--mask-token-id", mask_id]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and mask_id in err and "mask" in err, err
     assert not (tmp_path / "dlm").exists() or not any((tmp_path / "dlm").iterdir())

@@ -157,6 +157,9 @@ class DLMAttention(nn.Module):
         query, key = apply_partial_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
         if kv_cache is not None:  # sampler cache (generation_cache.DLMKVCache): splice in the cached keys
             key, value = kv_cache.update(self.layer_idx, key, value)
+            if getattr(kv_cache, "attends", False):  # the engine's ragged rows (generation/slot_cache.py)
+                output = kv_cache.attention(self, query, key, value)
+                return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
 
         implementation = self.config._attn_implementation or "eager"
         if type(attention_mask).__name__ == "BlockMask":  # structured mask on CUDA (masks.document_attention_implementation)

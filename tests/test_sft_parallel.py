@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from tests.sft_utils import flat_params, logged, sft_trainer  # noqa: E402
+from tests.utils import flat_params, logged, sft_trainer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

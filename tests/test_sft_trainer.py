@@ -13,7 +13,7 @@ pytest.importorskip("trl")
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from hf_dlm.training.checkpointing import FLOAT8_STATE_NAME, OBJECTIVE_NAME, STAGING_DIR  # noqa: E402
-from tests.sft_utils import flat_params, logged, sft_trainer  # noqa: E402
+from tests.utils import flat_params, logged, sft_trainer  # noqa: E402
 from tests.utils import StopAfter  # noqa: E402
 
 
@@ -143,7 +143,7 @@ def test_one_spelling_per_setting_in_both_trainers_arguments(tmp_path):
     from hf_dlm.data.sft_data import SFTDataConfig
     from hf_dlm.training.training_args import DLMTrainingArguments
     from hf_dlm.utils.errors import FieldError
-    from tests.sft_utils import sft_config
+    from tests.utils import sft_config
 
     config = DLMConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                        num_key_value_heads=2, mask_token_id=31)

@@ -115,6 +115,8 @@ def test_editing_step_equals_llada21_on_equal_logits():
         block[torch.rand(width, generator=generator) < 0.5] = mask_id
         if trial % 4 == 0:
             block[block == mask_id] = 1  # mask-free steps edit only
+        if trial % 3 == 0:  # committed tokens the model agrees with: no edit there (a settled block)
+            block = torch.where(block == mask_id, block, logits.argmax(-1))
         prompt_in_block = [False] * width
         expected, expected_edit = llada21_step(logits, block.tolist(), prompt_in_block, 0.6, 0.5, mask_id)
         candidates = block.eq(mask_id)[None]

@@ -15,8 +15,7 @@ import torch
 
 from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
 
-from tests.utils import tiny_model
-from tests.utils import ThreadedServer, free_port, save_tiny_checkpoint
+from tests.utils import ThreadedServer, free_port, save_tiny_checkpoint, tiny_model, wait_until_serving
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -271,14 +270,8 @@ def test_serve_cli_shutdown_under_load_loses_no_accepted_request(server, tmp_pat
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
+        wait_until_serving(process, url)
         deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, "hf-dlm serve did not start"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
 
         outcomes = []
 

@@ -260,6 +260,12 @@ class DLMPreTrainedModel(PreTrainedModel):
             init.zeros_(module.expert_bias)
             init.zeros_(module.tokens_per_expert)  # non-persistent: a load leaves it uninitialised
 
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """What transformers' property reports (any layer checkpointing), without the FutureWarning transformers
+        >= 5.24 attaches to the old name: trl (rollout unwrapping) and peft still read it on every step."""
+        return any(getattr(module, "gradient_checkpointing", False) for module in self.modules())
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save, plus self-contained remote code, `auto_map` and a model card
         (`hf_dlm.hub.publish`, reached through the `utils.publishing` hook: hub/ sits above modeling), so the

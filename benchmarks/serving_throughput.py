@@ -294,8 +294,11 @@ def core_benchmark(model, args, report):
         options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, cache="dual",
                        temperature=0.0, stop_on_eos=False, **rule)
 
+        last_requests = []
+
         def engine_run(count, every=0):
             requests = [GenerationRequest(prompts[i].tolist(), engine.sampling_params(**options)) for i in range(count)]
+            last_requests[:] = requests
             steps_before, forwards_before = engine.stats["engine_steps"], engine.stats["forward_passes"]
             _sync()
             start, pending, step = time.perf_counter(), list(requests), 0
@@ -316,14 +319,16 @@ def core_benchmark(model, args, report):
             for _ in range(2):  # the first run compiles and captures
                 _sync()
                 start = time.perf_counter()
-                model.generate(ids, compile=compile_choice, **options)
+                out = model.generate(ids, compile=compile_choice, **options)
                 _sync()
                 generate_tps = batch * args.new_tokens / (time.perf_counter() - start)
             engine_run(batch)
             engine_tps, steps, forwards = engine_run(batch)
+            same = sum(a == b for r, row_out in zip(last_requests, out[:, args.prompt_tokens:].tolist())
+                       for a, b in zip(r.generated, row_out)) / (batch * args.new_tokens)
             row = {"setting": label, "batch": batch, "arrival": "all at once", "generate_tok_s": round(generate_tps, 1),
                    "engine_tok_s": round(engine_tps, 1), "ratio": round(engine_tps / generate_tps, 3),
-                   "engine_steps": steps, "forwards": forwards}
+                   "engine_steps": steps, "forwards": forwards, "tokens_equal_to_generate": round(same, 4)}
             report["core"].append(row)
             print(json.dumps(row), flush=True)
             dump(report, args)
@@ -405,12 +410,12 @@ def main():
         dump(report, args)
     if report["core"]:
         print("| setting | batch | arrival | generate tok/s | engine tok/s | engine / generate | steps | forwards "
-              "| vs all at once |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| vs all at once | tokens = generate |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in report["core"]:
             print(f"| {r['setting']} | {r['batch']} | {r['arrival']} | {r.get('generate_tok_s', '-')} | "
                   f"{r['engine_tok_s']} | {r.get('ratio', '-')} | {r['engine_steps']} | {r['forwards']} | "
-                  f"{r.get('ratio_to_all_at_once', '-')} |")
+                  f"{r.get('ratio_to_all_at_once', '-')} | {r.get('tokens_equal_to_generate', '-')} |")
     if report["serve"]:
         print("| clients | stream | requests | requests/s | output tokens/s | engine alone tokens/s | HTTP / engine "
               "| first block mean / p50 / p90 (s) | latency (s) | rows/forward |")

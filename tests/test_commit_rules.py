@@ -222,3 +222,15 @@ def test_generate_equals_the_source_loop_and_commits_several_tokens_per_forward(
         plain = model.generate(prompt[None], max_new_tokens=16, block_length=8, return_dict_in_generate=True,
                                threshold=options["threshold"])
         assert forwards > len(plain.forward_batch_sizes) + 2 and plain.sequences[0, 5:].tolist() != expected.tolist()
+
+
+def test_generate_cli_takes_the_new_rules_as_numbers():
+    import argparse
+
+    from hf_dlm.commands.generate import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--prompt", "x", "--factor", "1.5", "--entropy-bound", "0.3",
+                              "--editing-threshold", "0.5", "--max-post-steps", "4"])
+    assert (args.factor, args.entropy_bound, args.editing_threshold, args.max_post_steps) == (1.5, 0.3, 0.5, 4)

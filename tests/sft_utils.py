@@ -9,6 +9,7 @@ from hf_dlm import DLMConfig, DLMForDiffusionLM
 from hf_dlm.training.post_training import toy_rows, toy_tokenizer
 from hf_dlm.training.sft_config import DLMSFTConfig
 from hf_dlm.training.sft_trainer import DLMSFTTrainer
+from tests.trainer_utils import StepRecorder
 
 
 def sft_model(tokenizer, seed: int = 0) -> DLMForDiffusionLM:
@@ -26,30 +27,8 @@ def sft_rows(n: int, seed: int = 3):
     return Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in toy_rows(n, seed)])
 
 
-class RecordingSFTTrainer(DLMSFTTrainer):
-    """Records each optimizer step's loss (sum over its micro-batches), the noise keys it drew, and the
-    gradients of the first step."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.step_losses, self.sample_indices, self.grads = [], [], []
-        self._step_loss = 0.0
-
-    def _corrupt(self, batch, device, t_group=None):
-        self.sample_indices.extend(int(i) for i in batch["sample_index"])
-        return super()._corrupt(batch, device, t_group)
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._step_loss += float(loss)
-        if self.accelerator.sync_gradients:
-            self.step_losses.append(self._step_loss)
-            self._step_loss = 0.0
-            if not self.grads:
-                model = self.accelerator.unwrap_model(self.model)
-                self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                   if p.grad is not None})
-        return loss
+class RecordingSFTTrainer(StepRecorder, DLMSFTTrainer):
+    pass
 
 
 def sft_config(output_dir, **overrides) -> DLMSFTConfig:

@@ -18,9 +18,10 @@ def random_dataset(n: int = 24, seed: int = 0) -> TokenWindowDataset:
     return TokenWindowDataset(torch.randint(0, VOCAB - 1, (n, SEQ_LEN), generator=generator))
 
 
-class RecordingTrainer(DLMTrainer):
-    """Records the loss of every optimizer step (sum of its micro-batch losses, as the Trainer does),
-    the sample indices it drew and the gradients just before each optimizer step."""
+class StepRecorder:
+    """Mixed into a diffusion trainer (DLMTrainer, DLMSFTTrainer): records the loss of every optimizer step
+    (sum of its micro-batch losses, as the Trainer does), the sample indices it drew, its batches and the
+    gradients just before each optimizer step."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -45,6 +46,10 @@ class RecordingTrainer(DLMTrainer):
             model = self.accelerator.unwrap_model(self.model)
             self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
         return loss
+
+
+class RecordingTrainer(StepRecorder, DLMTrainer):
+    pass
 
 
 def window_stream(ids: torch.Tensor, seed: int = 0):

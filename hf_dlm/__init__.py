@@ -1,7 +1,7 @@
 """hf-dlm: diffusion language models on the Hugging Face stack.
 
-Importing the package registers the DLM family (`model_type = "dlm"`) with `AutoConfig`, `AutoModel`
-and `AutoModelForMaskedLM`. Every other public name (`from hf_dlm import DLMTrainer`) is imported on
+Importing the package registers the DLM family (`model_type = "dlm"`) and the published families
+(`hf_dlm.modeling.families`) with `AutoConfig`, `AutoModel` and `AutoModelForMaskedLM`. Every other public name (`from hf_dlm import DLMTrainer`) is imported on
 first access, so `import hf_dlm` never imports trl, peft, datasets or kernel packages.
 """
 
@@ -11,15 +11,26 @@ from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
 
 from .modeling import DiffusionLMOutput, DLMConfig, DLMForDiffusionLM, DLMModel, DLMPreTrainedModel
 from .utils.lazy import lazy_exports
+from .utils.publishing import set_publisher
 
 
 def _register_auto_classes() -> None:
     AutoConfig.register(DLMConfig.model_type, DLMConfig, exist_ok=True)
     AutoModel.register(DLMConfig, DLMModel, exist_ok=True)
     AutoModelForMaskedLM.register(DLMConfig, DLMForDiffusionLM, exist_ok=True)
+    from .modeling.families import register_families
+
+    register_families()  # llada, Dream, sdar, sdar_moe, Fast_dLLM_Qwen, lladamoe, llada2_moe
+
+
+def _hub_publisher():
+    from .hub import publish
+
+    return publish
 
 
 _register_auto_classes()
+set_publisher(_hub_publisher)  # modeling / parallel / training save through hub/ without importing upward
 
 # public name -> module that defines it (imported on first access)
 _LAZY = {
@@ -33,8 +44,8 @@ _LAZY = {
     "DLMTrainer": ".training.trainer",
     "DLMTrainingArguments": ".training.training_args",
     "run_pretraining": ".training.runner",
-    "register_data_builder": ".training.runner",
-    "ConfigError": ".training.runner",
+    "register_data_builder": ".data.builders",
+    "ConfigError": ".utils.errors",
     "QuickstartConfig": ".training.quickstart",
     "run_quickstart": ".training.quickstart",
     # post-training on trl / peft
@@ -71,6 +82,8 @@ _LAZY = {
     "precompute_float8_scales": ".parallel.float8",
     "fp8_autocast": ".parallel.float8",
     "DelayedFloat8Linear": ".parallel.float8_delayed",
+    # hub
+    "load_model": ".hub.loading",
     # serving and evaluation
     "ContinuousBatchingEngine": ".serving.engine",
     "create_app": ".serving.app",

@@ -8,8 +8,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.test_post_training import sft_one_step  # noqa: E402
-from tests.toy_tasks import digit_tokenizer  # noqa: E402
+from tests.utils import digit_tokenizer, sft_one_step  # noqa: E402
 
 
 def main(out_dir: str) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from hf_dlm.cli import main as cli_main
 
-from .test_conversion import save_ar_checkpoint
+from tests.utils import save_ar_checkpoint
 
 TINY_MODEL = ("model:\n  config: {vocab_size: 99, mask_token_id: 98, hidden_size: 32, intermediate_size: 64,\n"
               "           num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2,\n"
@@ -120,7 +120,7 @@ def test_artefacts_model_card_training_record_file_modes_and_pad_token(tmp_path)
     from transformers import AutoTokenizer, pipeline
 
     from hf_dlm.data.corpus import train_bpe_tokenizer
-    from tests.trainer_utils import make_trainer
+    from tests.utils import make_trainer
 
     trainer = make_trainer(tmp_path / "run", max_steps=2)
     trainer.train()

@@ -16,7 +16,7 @@ from hf_dlm import DLMForDiffusionLM
 from hf_dlm.cli import main as cli_main
 from hf_dlm.hub.publish import prepare_hub_folder, push_to_hub
 from hf_dlm.hub.remote_code import AUTO_MAP, generate_remote_code
-from .conftest import tiny_model
+from tests.utils import tiny_model
 
 # Run in a fresh interpreter where `import hf_dlm` raises, so only the repository's own files can serve.
 LOAD_WITHOUT_HF_DLM = textwrap.dedent("""
@@ -33,7 +33,8 @@ LOAD_WITHOUT_HF_DLM = textwrap.dedent("""
     again = AutoModelForMaskedLM.from_pretrained(sys.argv[3] + ".resaved", trust_remote_code=True,
                                                  attn_implementation="eager").eval()
     with torch.no_grad():
-        assert torch.equal(again(input_ids=ids).logits, logits)
+        # a few fp32 ulps allowed: reloaded weights sit at other alignments (other CPU SIMD paths)
+        torch.testing.assert_close(again(input_ids=ids).logits, logits, rtol=0, atol=1e-6)
     torch.save({"logits": logits, "module": type(model).__module__, "generated": generated}, sys.argv[3])
     try:
         import hf_dlm  # noqa: F401

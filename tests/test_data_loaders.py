@@ -163,16 +163,13 @@ def test_hf_stream_packs_streaming_datasets_and_resumes(tmp_path):
     assert [s["sample_index"] for s in resumed] == list(range(2, 8))
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
 @pytest.fixture(scope="module")
 def chat_tokenizer():
     from hf_dlm.data.corpus import stdlib_documents, train_bpe_tokenizer
+    from tests.utils import SFT_CHAT_TEMPLATE
 
     tokenizer = train_bpe_tokenizer([d[:300] for d in stdlib_documents(max_files=10)[:40]], vocab_size=300)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = SFT_CHAT_TEMPLATE
     return tokenizer
 
 
@@ -214,7 +211,7 @@ def test_sft_prompt_mask_and_both_padding_policies(chat_tokenizer):
 
 def test_packed_batches_drive_the_model_and_documents_stay_apart(tmp_path):
     from hf_dlm.diffusion.objective import MaskedDiffusionObjective
-    from tests.conftest import MASK_ID, tiny_model
+    from tests.utils import MASK_ID, tiny_model
 
     rng = np.random.default_rng(1)
     prefix = write_docs(tmp_path / "m", [rng.integers(0, MASK_ID, size=n) for n in (5, 30, 11, 9, 40, 17)])

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from hf_dlm.diffusion.objective import MaskedDiffusionObjective
 from hf_dlm.modeling.moe import update_expert_bias
 from hf_dlm.parallel.parallelize import parallelize_dlm
-from tests.conftest import MASK_ID, VOCAB, tiny_model
+from tests.utils import MASK_ID, VOCAB, tiny_model
 
 BATCH, LENGTH, STEPS, WORLD = 4, 12, 2, 2
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.1,

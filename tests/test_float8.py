@@ -9,7 +9,7 @@ import torch
 from hf_dlm.parallel.float8 import TORCHAO_RECIPES, TRANSFORMER_ENGINE_AVAILABLE, convert_to_float8, float8_module_filter
 from hf_dlm.parallel.parallelize import parallelize_dlm
 from hf_dlm.utils.import_utils import is_torchao_available
-from tests.conftest import VOCAB, tiny_model
+from tests.utils import VOCAB, tiny_model
 
 needs_torchao = pytest.mark.skipif(not is_torchao_available(), reason="torchao is not installed (pip install 'hf-dlm[fp8]')")
 LARGE = ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # in and out features >= 64 below

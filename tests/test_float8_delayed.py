@@ -10,7 +10,7 @@ from hf_dlm.parallel.float8 import convert_to_float8
 from hf_dlm.parallel.float8_delayed import E4M3, E5M2, GRAD, INPUT, WEIGHT, DelayedFloat8Linear
 from hf_dlm.parallel.parallelize import parallelize_dlm
 from hf_dlm.utils.import_utils import is_torchao_available
-from tests.conftest import VOCAB, tiny_model
+from tests.utils import VOCAB, tiny_model
 
 MAX4, MAX5 = 448.0, 57344.0
 
@@ -181,7 +181,7 @@ def test_compiled_training_equals_eager_and_stays_close_to_high_precision():
 def test_trainer_trains_with_the_delayed_recipe(tmp_path):
     """DLMTrainer with fp8_recipe='delayed': the linears are converted, every micro-batch's backward joins
     the history (2 steps x 2 micro-batches), and the losses stay within a few percent of float32's."""
-    from tests.trainer_utils import make_trainer
+    from tests.utils import make_trainer
 
     common = dict(max_steps=2, gradient_accumulation_steps=2, warmup_steps=0)  # step 2's loss sees step 1's update
     plain = make_trainer(tmp_path / "plain", **common)
@@ -200,7 +200,7 @@ def test_trainer_resume_restores_the_amax_histories(tmp_path):
     histories (without them the resumed first step would scale dynamically and the losses would differ)."""
     from hf_dlm.parallel.float8_delayed import float8_state_dict, load_float8_state_dict
     from hf_dlm.training.trainer import FLOAT8_STATE_NAME
-    from tests.trainer_utils import StopAfter, flat_params, make_trainer
+    from tests.utils import StopAfter, flat_params, make_trainer
 
     common = dict(max_steps=6, save_strategy="steps", save_steps=3, fp8_recipe="delayed", fp8_min_features=16)
     straight = make_trainer(tmp_path / "straight", **common)

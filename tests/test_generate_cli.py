@@ -6,7 +6,7 @@ import torch
 from hf_dlm.cli import main
 from hf_dlm.data.corpus import train_bpe_tokenizer
 
-from .conftest import tiny_model
+from tests.utils import tiny_model
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "a diffusion model fills in masked tokens"] * 20
 CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"

@@ -1,40 +1,14 @@
 """The diffusion samplers' arithmetic, pinned with hand-built models whose logits are scripted."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from torch import nn
 
-from hf_dlm.generation.sampler import DLMGenerationMixin
-from hf_dlm.generation.sampling import finished_rows, num_transfer_tokens, select_commits
-
-MASK, EOS, VOCAB = 15, 14, 16
-
-
-class ScriptedModel(DLMGenerationMixin, nn.Module):
-    """logits(input_ids) -> (B, L, V) from `script`; records every forward's input ids. Exposes only the
-    config attributes the sampler reads."""
-
-    def __init__(self, script, **config):
-        super().__init__()
-        options = dict(mask_token_id=MASK, eos_token_id=None, label_alignment="same",
-                       attention_mode="bidirectional", block_size=None)
-        options.update(config)
-        self.config = SimpleNamespace(**options)
-        self.script, self.inputs = script, []
-
-    def forward(self, input_ids, attention_mask=None, kv_cache=None):
-        self.inputs.append(input_ids.clone())
-        return SimpleNamespace(logits=self.script(input_ids).to(torch.float32))
-
-
-def peaked(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """(L,) tokens and scores -> (L, V) logits whose argmax is `tokens` with a probability rising with `score`."""
-    logits = torch.zeros(tokens.shape[0], VOCAB)
-    logits[torch.arange(tokens.shape[0]), tokens] = scores
-    logits[:, MASK] = -1e4  # never predict the mask itself
-    return logits
+from hf_dlm.generation.commit_rules import threshold_commits
+from hf_dlm.generation.sampling import finished_rows, num_transfer_tokens
+from tests.utils import SCRIPTED_EOS as EOS
+from tests.utils import SCRIPTED_MASK as MASK
+from tests.utils import SCRIPTED_VOCAB as VOCAB
+from tests.utils import ScriptedModel, peaked
 
 
 def by_position(tokens, scores):
@@ -79,8 +53,8 @@ def test_tokens_per_step_is_the_llada_budget():
 
 
 def test_threshold_commits_everything_above_tau_and_at_least_the_best():
-    assert select_commits(torch.tensor([[0.5, 0.3, 0.7, -torch.inf]]), None, 0.5).tolist() == [[True, False, True, False]]
-    assert select_commits(torch.tensor([[0.2, 0.3, 0.1]]), None, 0.9).tolist() == [[False, True, False]]
+    assert threshold_commits(torch.tensor([[0.5, 0.3, 0.7, -torch.inf]]), 0.5).tolist() == [[True, False, True, False]]
+    assert threshold_commits(torch.tensor([[0.2, 0.3, 0.1]]), 0.9).tolist() == [[False, True, False]]
     # p(token 3) = 0.9, 0.6, 0.8, 0.55 at the four masks, tau 0.7: step 1 takes 0.9 and 0.8, then the best
     probs = torch.tensor([0.9, 0.6, 0.8, 0.55])
     def script(ids):

@@ -7,8 +7,8 @@ import torch
 from hf_dlm.generation import compiled_step as generation_compile
 from hf_dlm.generation.configuration import DLMGenerationConfig
 
-from .conftest import tiny_model
-from .test_generation_models import left_padded
+from tests.utils import tiny_model
+from tests.utils import left_padded
 
 GEN = dict(max_new_tokens=16, block_length=8, steps=16, temperature=0.0)
 

@@ -6,20 +6,9 @@ import itertools
 import pytest
 import torch
 
-from .conftest import tiny_model
+from tests.utils import left_padded, tiny_model
 
 GEN = dict(max_new_tokens=16, block_length=8, steps=8, temperature=0.0)
-
-
-def left_padded(lengths, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 90, (n,), generator=generator) for n in lengths]
-    width = max(lengths)
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :], attention_mask[row, width - len(prompt) :] = prompt, 1
-    return prompts, input_ids, attention_mask
 
 
 def model_for(mode, alignment="same"):

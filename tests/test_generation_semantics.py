@@ -9,8 +9,9 @@ import torch
 from hf_dlm import DLMForDiffusionLM, DLMGenerationConfig
 from hf_dlm.generation.sampling import add_gumbel_noise
 
-from .conftest import MASK_ID, VOCAB, tiny_model
-from .test_generation import EOS, ScriptedModel, peaked
+from tests.utils import MASK_ID, VOCAB, tiny_model
+from tests.utils import SCRIPTED_EOS as EOS
+from tests.utils import ScriptedModel, peaked
 
 PROMPT = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
 

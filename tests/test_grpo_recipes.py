@@ -18,7 +18,6 @@ from hf_dlm.training.grpo_trainer import DiffuGRPOTrainer  # noqa: E402
 from hf_dlm.training.post_training import toy_reward, toy_rows, toy_tokenizer  # noqa: E402
 from hf_dlm.utils.errors import FieldError  # noqa: E402
 
-from .toy_tasks import one_thread  # noqa: F401,E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,8 +10,7 @@ from torch import nn
 from hf_dlm.diffusion.logp_estimators import (CoupledEstimator, MonteCarloELBOEstimator, OneStepEstimator,
                                              build_estimator, row_keys)
 from hf_dlm.diffusion.noise import hashed_uniform
-from tests.conftest import MASK_ID, VOCAB, tiny_model
-from tests.toy_tasks import one_thread  # noqa: F401
+from tests.utils import MASK_ID, VOCAB, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_dlm.modeling.loss import weighted_linear_cross_entropy
-from tests.conftest import VOCAB, tiny_model
+from tests.utils import VOCAB, tiny_model
 
 
 def _head_inputs(n=11, hidden=8, vocab=13, bias=True, seed=0):

@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
 from hf_dlm import DLMConfig, DLMForDiffusionLM, DLMModel
 from hf_dlm.modeling.masks import dense_mask, make_mask_mod
 
-from .conftest import MASK_ID, VOCAB, set_attn, tiny_config, tiny_model
+from tests.utils import MASK_ID, VOCAB, set_attn, tiny_config, tiny_model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

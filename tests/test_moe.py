@@ -12,8 +12,8 @@ from hf_dlm import DLMConfig, DLMForDiffusionLM
 from hf_dlm.conversion.convert import ConversionOptions, convert_checkpoint, load_as_dlm
 from hf_dlm.modeling.moe import DLMSparseMoeBlock, router_aux_losses
 from hf_dlm.modeling.modeling_dlm import DLMMLP
-from .conftest import tiny_config, tiny_model
-from .test_conversion import randomize
+from tests.utils import tiny_config, tiny_model
+from tests.utils import randomize
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 
@@ -212,7 +212,7 @@ def test_trainer_averages_router_losses_over_accumulation_and_logs_them(tmp_path
     the mean of the micro-batches' router losses, and the log shows their unweighted losses."""
     import copy
 
-    from .trainer_utils import RecordingTrainer, make_args, random_dataset
+    from tests.utils import RecordingTrainer, make_args, random_dataset
 
     model = tiny_model(**MOE, router_aux_loss_coef=0.5, router_z_loss_coef=0.1).train()
     initial = copy.deepcopy(model)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_dlm.modeling.moe import DLMSparseMoeBlock, expert_capacity
-from .conftest import tiny_config, tiny_model
+from tests.utils import tiny_config, tiny_model
 
 H = 32
 
@@ -348,7 +348,7 @@ def test_dlm_trainer_updates_the_expert_bias_once_per_optimizer_step(tmp_path):
     import copy
 
     from hf_dlm.modeling.moe import update_expert_bias
-    from .trainer_utils import RecordingTrainer, make_args, random_dataset
+    from tests.utils import RecordingTrainer, make_args, random_dataset
 
     rate = 0.01
     model = tiny_model(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16, moe_router="sigmoid",

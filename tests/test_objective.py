@@ -8,7 +8,7 @@ from hf_dlm.diffusion.elbo import elbo_nll
 from hf_dlm.diffusion.objective import NORMALIZATIONS
 from hf_dlm.diffusion.noise import hashed_uniform
 
-from .conftest import MASK_ID, VOCAB, tiny_model
+from tests.utils import MASK_ID, VOCAB, tiny_model
 
 IDS = torch.arange(40).view(4, 10) + 1
 
@@ -165,18 +165,30 @@ def test_micro_batches_with_the_global_normaliser_sum_to_the_full_batch_loss():
 
 
 def test_a_fixed_batch_overfits():
+    """Training on one sequence under fresh masks drives its ELBO far below log V.
+
+    Judged by the seeded ELBO of the trained model (32 stratified mask draws, the same draws before and
+    after), not by the last single-batch losses: those swing by ~0.3 nats with the mask ratio drawn at
+    each step, so a threshold on them flips with the last ulp of a kernel (it failed on one CI machine).
+    One sequence (four copies under different masks) rather than four random rows: memorising it needs
+    only positions, which this tiny model learns within 150 steps from every seed tried (ELBO 0.33-0.81
+    from 4.6 for seeds 0-3), while telling four random rows apart takes 300-600+ steps depending on
+    the seed. Knowing only which tokens occur (unigram) gives log 12 ~ 0.54 x log V, above the bar.
+    """
     model = tiny_model("sdpa").train()
     objective = _objective(normalization="token", weighting="uniform")
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
-    ids = torch.randint(0, VOCAB - 1, (4, 12), generator=torch.Generator().manual_seed(0))
-    losses = []
-    for step in range(600):  # fresh masks every step: the model must memorise the 4 rows
+    ids = torch.randint(0, VOCAB - 1, (1, 12), generator=torch.Generator().manual_seed(0)).expand(4, -1)
+    before = elbo_nll(model.eval(), ids[:1], mc_num=32)["nll_per_token"]
+    model.train()
+    for step in range(150):  # fresh masks every step
         loss, _ = objective(model, ids, torch.arange(4) + 4 * step)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
-    assert sum(losses[-20:]) / 20 < 0.35 * sum(losses[:10]) / 10
+    after = elbo_nll(model.eval(), ids[:1], mc_num=32)["nll_per_token"]
+    assert before == pytest.approx(math.log(VOCAB), rel=0.05)  # an untrained model is near uniform
+    assert after < 0.35 * before
 
 
 def test_elbo_of_a_uniform_model_is_log_vocab_and_seeded():

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from hf_dlm.parallel.mesh import ParallelDims
 from hf_dlm.parallel.parallelize import parallelize_dlm, parallelize_from_dims
 from hf_dlm.diffusion.objective import MaskedDiffusionObjective
-from tests.conftest import MASK_ID, VOCAB, tiny_model
-from tests.distributed_utils import finish, spawn_workers
+from tests.utils import MASK_ID, VOCAB, tiny_model
+from tests.utils import finish, spawn_workers
 
 WORLD, BATCH, LENGTH, STEPS = 4, 4, 16, 2
 # name -> (ParallelDims options, tied embeddings, activation checkpointing)

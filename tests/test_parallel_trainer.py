@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from hf_dlm import DLMForDiffusionLM
-from tests.conftest import tiny_model
-from tests.test_trainer_ddp import _free_port
-from tests.trainer_utils import flat_params, make_args, make_trainer
+from tests.utils import tiny_model
+from tests.utils import flat_params, free_port, make_args, make_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def torchrun_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh_trainer")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(_free_port()),
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
                os.path.join(ROOT, "tests", "parallel_trainer_worker.py"), str(out)]
     result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

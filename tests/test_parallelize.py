@@ -7,8 +7,8 @@ import torch.distributed as dist
 
 from hf_dlm.diffusion.objective import MaskedDiffusionObjective
 from hf_dlm.parallel.parallelize import parallelize_dlm
-from tests.conftest import MASK_ID, VOCAB, tiny_model
-from tests.distributed_utils import finish, spawn_workers
+from tests.utils import MASK_ID, VOCAB, tiny_model
+from tests.utils import finish, spawn_workers
 
 BATCH, LENGTH, STEPS = 4, 12, 2
 FLOAT8_MIN = 32  # q/o and the MLP of tiny_model (hidden 32, ffn 64) go to float8, k/v (32 -> 16) stay

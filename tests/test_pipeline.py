@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from hf_dlm.parallel.pipeline import (DLMPipeline, DLMPipelineModel, DLMPipelineStageModule, PipelinePlan, check_pipeline_model,
                                       pipeline_schedule_terms, split_layers)
 from hf_dlm.diffusion.objective import MaskedDiffusionObjective
-from tests.conftest import MASK_ID, VOCAB, tiny_model
+from tests.utils import MASK_ID, VOCAB, tiny_model
 
 LAYERS, MICRO_BATCHES, ROWS, LENGTH = 4, 4, 2, 12
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")

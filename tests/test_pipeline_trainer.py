@@ -6,7 +6,6 @@ uninterrupted run."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import yaml
 from hf_dlm import DLMForDiffusionLM
 from hf_dlm.training.runner import build_trainer, load_config
 from hf_dlm.training.training_args import DLMTrainingArguments
-from tests.conftest import MASK_ID, VOCAB
+from tests.utils import MASK_ID, VOCAB, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = {
@@ -31,12 +30,6 @@ CONFIG = {
                      per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4, logging_steps=1,
                      save_strategy="steps", save_steps=2, dataloader_num_workers=0, pp_size=2, pp_schedule="1f1b"),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_config(path, **training) -> str:
@@ -65,7 +58,7 @@ def pipeline_run(request, tmp_path_factory):
     config = _write_config(folder / "pp.yaml", output_dir=str(folder / "run"), **options)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-               str(_free_port()), os.path.join(ROOT, "tests", "pipeline_trainer_worker.py"), config,
+               str(free_port()), os.path.join(ROOT, "tests", "pipeline_trainer_worker.py"), config,
                str(folder / "out.json")]
     result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -124,7 +117,7 @@ def test_moe_pp2_trains_like_one_process(tmp_path):
         configs[name] = str(tmp_path / f"{name}.yaml")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), os.path.join(ROOT, "tests", "pipeline_trainer_worker.py"), configs["pp2"],
+               str(free_port()), os.path.join(ROOT, "tests", "pipeline_trainer_worker.py"), configs["pp2"],
                str(tmp_path / "out.json"), "--no-resume"]
     result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -185,8 +178,8 @@ def test_pp_size_without_processes_is_refused(tmp_path):
 
 def test_an_eval_dataset_is_refused_before_training(tmp_path):
     from hf_dlm import DLMTrainer
-    from tests.trainer_utils import random_dataset
-    from tests.conftest import tiny_model
+    from tests.utils import random_dataset
+    from tests.utils import tiny_model
 
     args = DLMTrainingArguments(output_dir=str(tmp_path), use_cpu=True, pp_size=2, gradient_accumulation_steps=2,
                                 report_to="none")

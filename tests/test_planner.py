@@ -10,7 +10,7 @@ import torch
 from hf_dlm import DLMConfig, DLMForDiffusionLM
 from hf_dlm.cli import main
 from hf_dlm.parallel.planner import Layout, ModelShape, candidate_layouts, plan_layout, plan_layouts
-from tests.conftest import tiny_model
+from tests.utils import tiny_model
 
 QWEN3_1_7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,

@@ -20,7 +20,17 @@ from hf_dlm.training.grpo_config import DiffuGRPOConfig  # noqa: E402
 from hf_dlm.training.grpo_trainer import DiffuGRPOTrainer  # noqa: E402
 from hf_dlm.training.sft_config import DLMSFTConfig  # noqa: E402
 from hf_dlm.training.sft_trainer import DLMSFTTrainer  # noqa: E402
-from tests.toy_tasks import digit_tokenizer, one_thread, reversal_reward, reverse_rows  # noqa: E402,F401
+from tests.utils import (  # noqa: E402,F401
+    common,
+    digit_tokenizer,
+    prompt_dataset,
+    reversal_reward,
+    reverse_rows,
+    sft_args,
+    sft_dataset,
+    sft_one_step,
+    toy_model,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,36 +39,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def tokenizer():
     return digit_tokenizer()
-
-
-def toy_model(tokenizer, seed=0):
-    torch.manual_seed(seed)
-    config = DLMConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, mask_token_id=tokenizer.mask_token_id,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       max_position_embeddings=64)
-    return DLMForDiffusionLM(config)
-
-
-def sft_dataset(n, seed):
-    return Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in reverse_rows(n, seed)])
-
-
-def prompt_dataset(n, seed):
-    return Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in reverse_rows(n, seed)])
-
-
-def common(tmp_path, **overrides):
-    options = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, save_strategy="no",
-                   disable_tqdm=True, seed=0, logging_steps=5)
-    options.update(overrides)
-    return options
-
-
-def sft_args(tmp_path, **overrides):
-    options = common(tmp_path, max_steps=300, per_device_train_batch_size=16, learning_rate=3e-3, max_length=16)
-    options.update(overrides)
-    return DLMSFTConfig(**options)
 
 
 def heldout_nll(model, trainer, rows):
@@ -104,19 +84,6 @@ def test_sft_lowers_response_nll_and_never_noises_the_prompt(tmp_path, tokenizer
     assistant = tokenizer.convert_tokens_to_ids("<|assistant|>")
     for row, prompt in zip(first_ids, first_prompt):
         assert int(prompt.sum()) == int((row == assistant).nonzero()[0]) + 1
-
-
-def sft_one_step(out_dir, tokenizer, micro, accumulation, normalization="token", t_sampling="antithetic", **extra):
-    """One SGD step of DLMSFTTrainer on the first 8 rows of a shuffled toy set -> (parameters, trainer).
-    Padding is excluded: with LLaDA's EOS padding the padded length, so the data, depends on the micro-batch."""
-    model = toy_model(tokenizer)
-    trainer = DLMSFTTrainer(model=model, args=sft_args(
-        out_dir, max_steps=1, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-        optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0,
-        padding_policy="exclude", normalization=normalization, t_sampling=t_sampling,
-        **extra), train_dataset=sft_dataset(64, 3), processing_class=tokenizer)
-    trainer.train()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}, trainer
 
 
 @pytest.mark.parametrize("normalization,t_sampling", [("token", "antithetic"), ("masked", "uniform")])

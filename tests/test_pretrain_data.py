@@ -6,27 +6,16 @@ import os
 import pytest
 import torch
 
-from hf_dlm.data.corpus import split_documents, stdlib_documents, train_bpe_tokenizer
+from hf_dlm.data.corpus import split_documents
 from hf_dlm.data.preprocess import PreprocessConfig, preprocess
 from hf_dlm.training.runner import ConfigError, build_trainer, load_config, run_pretraining
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
 MODEL = {"attn_implementation": "sdpa",
          "config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                     "max_position_embeddings": 128}}
 TRAINING = {"use_cpu": True, "max_steps": 4, "per_device_train_batch_size": 4, "save_steps": 2,
             "logging_steps": 2, "report_to": "none", "disable_tqdm": True, "learning_rate": 1e-3}
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    docs = stdlib_documents(max_files=30)
-    tokenizer = train_bpe_tokenizer(docs, vocab_size=300)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    path = tmp_path_factory.mktemp("tok")
-    tokenizer.save_pretrained(path)
-    return path, docs
 
 
 def _config(tmp_path, data, **training):

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_dlm.training.trainer import DATA_STATE_NAME, STAGING_DIR
-from tests.conftest import VOCAB
-from tests.trainer_utils import SEQ_LEN, StopAfter, flat_params, make_trainer, random_dataset, window_stream
+from tests.utils import VOCAB
+from tests.utils import SEQ_LEN, StopAfter, flat_params, make_trainer, random_dataset, window_stream
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import torch
 
 from hf_dlm.diffusion.noise import hashed_uniform
 from hf_dlm.training.trainer import _STATS
-from tests.conftest import VOCAB
-from tests.trainer_utils import SEQ_LEN, StopAfter, flat_params, make_trainer
+from tests.utils import VOCAB
+from tests.utils import SEQ_LEN, StopAfter, flat_params, make_trainer
 
 N = 12
 
@@ -98,8 +98,8 @@ def test_the_same_yaml_twice_gives_the_same_run_and_the_seed_matters(tmp_path):
 def test_resuming_a_tied_model_warns_about_nothing_and_an_output_dir_with_checkpoints_is_refused(tmp_path, caplog):
     from transformers.utils import logging as hf_logging
 
-    from tests.conftest import tiny_model
-    from tests.trainer_utils import RecordingTrainer, make_args, random_dataset
+    from tests.utils import tiny_model
+    from tests.utils import RecordingTrainer, make_args, random_dataset
 
     def trainer(**overrides):
         model = tiny_model(tie_word_embeddings=True).train()

@@ -5,22 +5,15 @@ resumes exactly on 2 ranks."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.trainer_utils import flat_params, make_trainer
+from tests.utils import flat_params, free_port, make_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(shutil.which("accelerate") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "accelerate")),
@@ -30,7 +23,7 @@ def test_ddp_two_cpu_ranks_train_like_one_process(tmp_path):
     launcher = launcher if os.path.exists(launcher) else shutil.which("accelerate")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     command = [launcher, "launch", "--config_file", os.path.join(ROOT, "examples", "accelerate", "ddp_cpu.yaml"),
-               "--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port()),
+               "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
                os.path.join(ROOT, "tests", "ddp_trainer_worker.py"), str(tmp_path)]
     result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -53,7 +46,10 @@ def test_ddp_two_cpu_ranks_train_like_one_process(tmp_path):
 
     for record in ranks:  # the stream: 2 steps + resume + 2 steps == 4 steps, on each rank
         stream = record["stream"]
-        assert stream["split_indices"] == stream["straight_indices"] and stream["params_equal"]
+        assert stream["split_indices"] == stream["straight_indices"]
+        # 1e-6, not bit equality: the resumed weights come back from safetensors (mmap'd, other alignment),
+        # where CPU GEMMs may take another SIMD path (a few fp32 ulps); a lost optimizer step moves them ~lr
+        assert stream["params_max_diff"] <= 1e-6
         torch.testing.assert_close(torch.tensor(stream["split_losses"]), torch.tensor(stream["straight_losses"]),
                                    rtol=0, atol=1e-6)
     assert not set(ranks[0]["stream"]["straight_indices"]) & set(ranks[1]["stream"]["straight_indices"])

@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_dlm.training.trainer import OBJECTIVE_NAME, STAGING_DIR
-from tests.trainer_utils import make_trainer
+from tests.utils import make_trainer
 
 
 def _listing(folder, allow_patterns=None, ignore_patterns=None) -> dict[str, str] | None:

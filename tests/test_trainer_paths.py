@@ -10,9 +10,8 @@ from hf_dlm import MaskedDiffusionObjective
 from hf_dlm.data.memory_dataset import TokenWindowDataset, pack_documents
 from hf_dlm.diffusion.elbo import elbo_nll
 from hf_dlm.training.trainer import DLMTrainer
-from tests.conftest import MASK_ID, VOCAB, tiny_model
-from tests.test_pretrain_data import tokenizer_dir  # noqa: F401  (fixture)
-from tests.trainer_utils import RecordingTrainer, make_args
+from tests.utils import MASK_ID, VOCAB, tiny_model
+from tests.utils import RecordingTrainer, make_args
 
 N, L = 8, 16
 

@@ -37,33 +37,13 @@ def add_arguments(parser):
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
-def load_model(path: str, device: str | None = None, dtype: str = "auto", peft: str | None = None):
-    """(model, tokenizer) in eval mode on `device`; a LoRA adapter is merged into the weights."""
-    import torch
-    from transformers import AutoModelForMaskedLM, AutoTokenizer
-
-    import hf_dlm  # noqa: F401  (registers the DLM Auto classes)
-
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = AutoModelForMaskedLM.from_pretrained(path, dtype=torch_dtype)
-    if peft:
-        from ..utils.import_utils import require
-
-        require("peft", "loading a LoRA adapter")
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, peft).merge_and_unload()
-    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
-
-
 def run(args) -> int:
     from ..utils.import_utils import require
 
     require("fastapi", "hf-dlm serve")
     require("uvicorn", "hf-dlm serve")
 
+    from ..hub.loading import load_model
     from ..serving.app import ServerSettings, create_app, serve
     from ..serving.engine import ContinuousBatchingEngine
 

@@ -1,4 +1,4 @@
-"""hf-dlm <-> Megatron-core / MegaDLMs GPT layout (REFERENCE.md §4).
+"""hf-dlm <-> Megatron-core / MegaDLMs GPT layout (the state dict of megatron.core GPTModel, as MegaDLMs saves it).
 
 Megatron names (Transformer Engine layer spec; the local spec's `input_layernorm` / `pre_mlp_layernorm`
 are read too):

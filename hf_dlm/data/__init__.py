@@ -17,6 +17,7 @@ _LAZY = {
     "TokenWindowDataset": ".memory_dataset", "pack_documents": ".memory_dataset",
     "PreprocessConfig": ".preprocess", "PreprocessError": ".preprocess",  # `preprocess` is the module itself
     "stdlib_documents": ".corpus", "split_documents": ".corpus", "train_bpe_tokenizer": ".corpus",
+    "register_data_builder": ".builders", "build_data": ".builders", "DATA_BUILDERS": ".builders",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _LAZY)

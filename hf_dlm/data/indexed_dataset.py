@@ -47,10 +47,6 @@ def index_file_path(prefix: str) -> str:
     return f"{prefix}.idx"
 
 
-def indexed_dataset_exists(prefix: str) -> bool:
-    return os.path.exists(index_file_path(prefix)) and os.path.exists(data_file_path(prefix))
-
-
 class IndexedDatasetWriter:
     """Append documents, then `finalize()`; `abort()` (or leaving a `with` block on an exception) removes
     the temporary files and leaves whatever was at `prefix` before untouched."""

@@ -50,7 +50,7 @@ CORRUPT_EXTRAS = ("t", "masked", "supervised")
 
 @dataclass
 class MaskedDiffusionObjective:
-    """Options of the objective (see ../shared REFERENCE §1 and `PRESETS` for where each convention comes from).
+    """Options of the objective (`PRESETS` names the paper or repository each convention comes from).
 
     mask_token_id: the absorbing state. schedule: alpha(t) = 1 - t ("linear") or cos(pi t / 2)
     ("cosine"); a token is masked with probability 1 - alpha(t). weighting: "elbo" (-alpha'/(1-alpha),

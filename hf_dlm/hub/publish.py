@@ -39,9 +39,7 @@ def save_with_remote_code(model, transformers_save, save_directory, *args, **kwa
                 remove_remote_code(save_directory)
                 raise
             # the weights are saved; a checkpoint save in a training run must not die over the extra files
-            warnings.warn(f"{save_directory}: saved without remote code ({error}); it loads where hf-dlm is installed",
-                          stacklevel=3)
-            remove_remote_code(save_directory)
+            _without_remote_code(save_directory, error)
         if not (Path(save_directory) / "README.md").exists():
             write_model_card(save_directory, model.config)
         _default_file_modes(save_directory)
@@ -49,6 +47,29 @@ def save_with_remote_code(model, transformers_save, save_directory, *args, **kwa
             repo_id = hub_options.pop("repo_id", Path(save_directory).name)
             upload_folder(save_directory, repo_id, token=kwargs.get("token"), **hub_options)
     return result
+
+
+def _without_remote_code(save_directory, error) -> None:
+    warnings.warn(f"{save_directory}: saved without remote code ({error}); it loads where hf-dlm is installed",
+                  stacklevel=4)
+    remove_remote_code(save_directory)
+
+
+def write_hub_extras(save_directory, config) -> None:
+    """What `save_with_remote_code` adds to a folder saved another way (a pipeline's stage shards): the remote
+    code (a warning, not an error, when it cannot be generated) and a default model card."""
+    try:
+        write_remote_code(save_directory)
+    except (ImportError, NotImplementedError, NameError, SyntaxError) as error:
+        _without_remote_code(save_directory, error)
+    if not (Path(save_directory) / "README.md").exists():
+        write_model_card(save_directory, config)
+
+
+def write_final_card(output_dir, config, training_details: dict) -> None:
+    """A trained model's record (`hf_dlm_info.json`) and the model card that shows it."""
+    write_info(output_dir, training=training_details)
+    write_model_card(output_dir, config)
 
 
 def _default_file_modes(folder) -> None:
@@ -126,4 +147,5 @@ def push_to_hub(
                              **upload_options)
 
 
-__all__ = ["save_with_remote_code", "prepare_hub_folder", "upload_folder", "push_to_hub"]
+__all__ = ["save_with_remote_code", "write_hub_extras", "write_final_card", "prepare_hub_folder", "upload_folder",
+           "push_to_hub"]

@@ -43,7 +43,9 @@ class DLMRMSNorm(nn.Module):
 
 
 class DLMRotaryEmbedding(nn.Module):
-    """RoPE through transformers' rope utilities (default, linear, dynamic, yarn, llama3, ...)."""
+    """RoPE through transformers' rope utilities (default, linear, dynamic, yarn, llama3, ...). With
+    `rope_parameters["partial_rotary_factor"]` < 1 (LLaDA-MoE, LLaDA2) only the first
+    `int(head_dim * factor)` channels of each head rotate; cos / sin then have that width."""
 
     def __init__(self, config: DLMConfig):
         super().__init__()
@@ -60,7 +62,7 @@ class DLMRotaryEmbedding(nn.Module):
 
     @staticmethod
     def compute_default_rope_parameters(config: DLMConfig, **kwargs) -> tuple[torch.Tensor, float]:
-        base, dim = config.rope_parameters["rope_theta"], config.head_dim
+        base, dim = config.rope_parameters["rope_theta"], rotary_dim(config)
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
     @torch.no_grad()
@@ -69,6 +71,21 @@ class DLMRotaryEmbedding(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)  # (B, L, d/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def rotary_dim(config) -> int:
+    """Channels of a head that rotate: head_dim, or int(head_dim * partial_rotary_factor)."""
+    return int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+
+
+def apply_partial_rotary_pos_emb(query, key, cos, sin):
+    """RoPE on the first cos.shape[-1] channels of query / key (B, h, L, hd); the rest pass through
+    (transformers' GLM / Phi convention, as LLaDA-MoE and LLaDA2 apply it)."""
+    width = cos.shape[-1]
+    if width == query.shape[-1]:
+        return apply_rotary_pos_emb(query, key, cos, sin)
+    query_rot, key_rot = apply_rotary_pos_emb(query[..., :width], key[..., :width], cos, sin)
+    return torch.cat([query_rot, query[..., width:]], dim=-1), torch.cat([key_rot, key[..., width:]], dim=-1)
 
 
 class DLMMLP(nn.Module):
@@ -137,9 +154,12 @@ class DLMAttention(nn.Module):
         if self.config.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        query, key = apply_partial_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
         if kv_cache is not None:  # sampler cache (generation_cache.DLMKVCache): splice in the cached keys
             key, value = kv_cache.update(self.layer_idx, key, value)
+            if getattr(kv_cache, "attends", False):  # the engine's ragged rows (generation/slot_cache.py)
+                output = kv_cache.attention(self, query, key, value)
+                return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
 
         implementation = self.config._attn_implementation or "eager"
         if type(attention_mask).__name__ == "BlockMask":  # structured mask on CUDA (masks.document_attention_implementation)
@@ -240,19 +260,26 @@ class DLMPreTrainedModel(PreTrainedModel):
             init.zeros_(module.expert_bias)
             init.zeros_(module.tokens_per_expert)  # non-persistent: a load leaves it uninitialised
 
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """What transformers' property reports (any layer checkpointing), without the FutureWarning transformers
+        >= 5.24 attaches to the old name: trl (rollout unwrapping) and peft still read it on every step."""
+        return any(getattr(module, "gradient_checkpointing", False) for module in self.modules())
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save, plus self-contained remote code, `auto_map` and a model card
-        (`hf_dlm.hub.publish`), so the folder loads with `trust_remote_code=True` without hf-dlm."""
-        from ..hub.publish import save_with_remote_code
+        (`hf_dlm.hub.publish`, reached through the `utils.publishing` hook: hub/ sits above modeling), so the
+        folder loads with `trust_remote_code=True` without hf-dlm."""
+        from ..utils.publishing import publisher
 
-        return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
+        return publisher().save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """transformers' arguments plus `tokenizer`, `base_model`, `training_details`: one commit holding the
         weights, the generated remote code and a full model card (`hf_dlm.hub.publish.push_to_hub`)."""
-        from ..hub.publish import push_to_hub
+        from ..utils.publishing import publisher
 
-        return push_to_hub(self, repo_id, **kwargs)
+        return publisher().push_to_hub(self, repo_id, **kwargs)
 
 
 @dataclass

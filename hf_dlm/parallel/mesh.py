@@ -73,10 +73,6 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def fsdp_enabled(self) -> bool:
-        return self.dp_shard * self.cp > 1
-
-    @property
     def loss_parallel_size(self) -> int:
         """Ranks whose losses are summed (the data-parallel and context-parallel ranks)."""
         return self.dp_replicate * self.dp_shard * self.cp

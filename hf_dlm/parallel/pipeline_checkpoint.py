@@ -17,6 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..utils.publishing import publisher
+
 OPTIMIZER_DCP_DIR = "optim_dcp"  # not "optimizer*": the Trainer takes any folder named so for its own format
 SHARD_NAME = "model-{index:05d}-of-{total:05d}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -57,23 +59,7 @@ def save_pipeline_pretrained(pipeline, save_directory: str, is_main_process: boo
                                     "total_parameters": pipeline.num_parameters},
                        "weight_map": {key: name for key, (name, _) in sorted(merged.items())}}, f, indent=2)
         config.save_pretrained(save_directory)
-        _write_hub_extras(save_directory, config)
-
-
-def _write_hub_extras(save_directory: str, config) -> None:
-    """What `DLMPreTrainedModel.save_pretrained` adds: the remote code and a model card."""
-    import warnings
-
-    from ..hub.model_card import write_model_card
-    from ..hub.remote_code import remove_remote_code, write_remote_code
-
-    try:
-        write_remote_code(save_directory)
-    except (ImportError, NotImplementedError, NameError, SyntaxError) as error:
-        warnings.warn(f"{save_directory}: saved without remote code ({error})", stacklevel=3)
-        remove_remote_code(save_directory)
-    if not os.path.exists(os.path.join(save_directory, "README.md")):
-        write_model_card(save_directory, config)
+        publisher().write_hub_extras(save_directory, config)  # what the model's save_pretrained adds
 
 
 def load_pipeline_weights(pipeline, checkpoint_dir: str) -> None:

@@ -6,8 +6,8 @@ from ..utils.lazy import lazy_exports
 
 _LAZY = {
     "DLMTrainingArguments": ".training_args", "DLMTrainer": ".trainer",
-    "run_pretraining": ".runner", "register_data_builder": ".runner", "load_config": ".runner",
-    "ConfigError": ".runner",
+    "run_pretraining": ".runner", "register_data_builder": "..data.builders", "load_config": ".runner",
+    "ConfigError": "..utils.errors",
     "QuickstartConfig": ".quickstart", "run_quickstart": ".quickstart",
     # post-training on trl / peft (import trl or peft only when used)
     "DLMSFTConfig": ".sft_config", "DLMSFTTrainer": ".sft_trainer", "DiffuGRPOConfig": ".grpo_config",

@@ -30,11 +30,15 @@ DLM_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", 
 
 
 def register_peft_defaults() -> None:
-    """peft picks default LoRA targets by `config.model_type`; add the DLM family ("dlm")."""
+    """peft picks default LoRA targets by `config.model_type`; add the DLM family ("dlm") and the published
+    families hf-dlm loads natively (llada, Dream, sdar, ...: the same module names)."""
     require("peft", "LoRA on DLM models")
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as targets
 
-    targets.setdefault("dlm", list(DLM_LORA_TARGET_MODULES))
+    from ..modeling.families import FAMILIES
+
+    for model_type in ("dlm", *FAMILIES):
+        targets.setdefault(model_type, list(DLM_LORA_TARGET_MODULES))
 
 
 def dlm_lora_config(r: int = 16, lora_alpha: int = 32, lora_dropout: float = 0.0, target_modules=None, **kwargs):

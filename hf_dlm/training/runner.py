@@ -4,11 +4,13 @@
 The file has three sections:
 
     model:     name_or_path (from_pretrained) or config (DLMConfig fields); attn_implementation; dtype
-    data:      kind (one of DATA_BUILDERS) and that builder's options
+    data:      kind (one of `hf_dlm.data.builders.DATA_BUILDERS`) and that builder's options
     training:  DLMTrainingArguments fields
 
-`--set section.key=value` overrides one entry (value parsed as YAML). Unknown sections or fields are
-errors that name the file and the field.
+`--set section.key=value` overrides one entry at any depth (`model.config.hidden_size=48`; the value parsed
+as YAML). Unknown sections or fields, and values of the wrong type for their DLMConfig / DLMTrainingArguments
+field, are errors that name the file, the field, the value and what is expected, raised before any data is
+built.
 """
 
 from __future__ import annotations
@@ -17,18 +19,18 @@ import dataclasses
 import functools
 import os
 import re
-from typing import Callable
 
 import torch
 
+from ..data.builders import DATA_BUILDERS, build_data, register_data_builder  # noqa: F401  (the YAML's data.kind)
+from ..utils.checkpoint_files import CheckpointFileError, check_checkpoint_files
+from ..utils.errors import ConfigError
 from ..utils.import_utils import require
+from ..utils.typecheck import conforms, expected, field_types
 
 SECTIONS = ("model", "data", "training")
 MODEL_KEYS = ("name_or_path", "config", "attn_implementation", "dtype")
-
-
-class ConfigError(ValueError):
-    pass
+DEFAULT_OUTPUT_DIR = "outputs/pretrain"
 
 
 @functools.lru_cache(maxsize=1)
@@ -66,14 +68,7 @@ def load_config(path: str, overrides: list[str] | None = None) -> dict:
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: the top level must be a mapping with sections {SECTIONS}")
     for item in overrides or []:
-        key, sep, value = item.partition("=")
-        section, dot, name = key.partition(".")
-        if not sep or not dot:
-            raise ConfigError(f"--set {item!r}: expected section.key=value")
-        try:
-            config.setdefault(section, {})[name] = yaml.load(value, Loader=loader)
-        except yaml.YAMLError as error:
-            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {error}") from None
+        _apply_override(config, item, loader)
     unknown = sorted(set(config) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {unknown}; expected {list(SECTIONS)}")
@@ -83,167 +78,37 @@ def load_config(path: str, overrides: list[str] | None = None) -> dict:
     return config
 
 
-# -- data ---------------------------------------------------------------------------------------------
-def _corpus_data(options: dict, model_options: dict) -> dict:
-    """Python's own documentation, a byte-level BPE tokenizer trained on it, packed windows."""
-    from ..data.corpus import split_documents, stdlib_documents, train_bpe_tokenizer
-    from ..data.memory_dataset import TokenWindowDataset, pack_documents
+def _apply_override(config: dict, item: str, loader) -> None:
+    """`--set a.b.c=value`: the value (parsed as YAML) at any depth (`model.config.rope_parameters.rope_theta`);
+    missing mappings on the way are created, a non-mapping on the way is an error naming it."""
+    import yaml
 
-    train_docs, heldout_docs = split_documents(stdlib_documents(max_files=options.get("max_files")))
-    tokenizer = train_bpe_tokenizer(train_docs, options.get("vocab_size", 384))
-    seq_len = options.get("seq_len", 128)
-
-    def windows(docs):
-        encoded = tokenizer(docs, add_special_tokens=False)["input_ids"]
-        return pack_documents(encoded, seq_len, tokenizer.eos_token_id)
-
-    train_ids, train_positions = windows(train_docs)
-    eval_ids, eval_positions = windows(heldout_docs)
-    eval_windows = options.get("eval_windows", 32)
-    model_options.update(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    packed = options.get("packed_positions", True)  # evaluation attends like training
-    return {"train": TokenWindowDataset(train_ids, train_positions if packed else None),
-            "eval": TokenWindowDataset(eval_ids[:eval_windows], eval_positions[:eval_windows] if packed else None)
-            if eval_windows else None,
-            "tokenizer": tokenizer}
-
-
-def _random_data(options: dict, model_options: dict) -> dict:
-    """Uniform random token ids (throughput runs; nothing to learn). Needs the model's vocab_size."""
-    from ..data.memory_dataset import TokenWindowDataset
-
-    vocab = model_options.get("vocab_size")
-    if vocab is None:
-        raise ConfigError("data.kind 'random' needs model.config.vocab_size")
-    generator = torch.Generator().manual_seed(options.get("seed", 0))
-    shape = (options.get("num_samples", 1024), options.get("seq_len", 128))
-    ids = torch.randint(0, vocab - 1, shape, generator=generator)
-    mask_id = model_options.get("mask_token_id")
-    if mask_id is not None:
-        ids = ids + (ids >= mask_id).long()  # every id but the mask token
-    eval_windows = options.get("eval_windows", 0)
-    return {"train": TokenWindowDataset(ids), "eval": TokenWindowDataset(ids[:eval_windows]) if eval_windows else None,
-            "tokenizer": None}
-
-
-def _tokenizer_ids(options: dict, model_options: dict, kind: str):
-    """Load `data.tokenizer` and take vocab / mask / eos / pad ids from it where the model section is silent."""
-    if not options.get("tokenizer"):
-        raise ConfigError(f"data.kind {kind!r} needs data.tokenizer (a name or path with a mask token)")
-    from transformers import AutoTokenizer
-
-    from ..utils.paths import check_model_location
-
+    key, sep, text = item.partition("=")
+    keys = key.strip().split(".")
+    if not sep or len(keys) < 2 or not all(keys):
+        raise ConfigError(f"--set {item!r}: expected section.key=value (keys at any depth: model.config.hidden_size=48)",
+                          field=key or None)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(check_model_location(options["tokenizer"], "data.tokenizer"))
-    except OSError as error:
-        raise ConfigError(str(error)) from None
-    if tokenizer.mask_token_id is None and model_options.get("mask_token_id") is None:
-        raise ConfigError(f"data.tokenizer {options['tokenizer']!r} has no mask token; add one "
-                          "(hf-dlm convert adds it for AR checkpoints) or set model.config.mask_token_id")
-    for field, value in (("vocab_size", len(tokenizer)), ("mask_token_id", tokenizer.mask_token_id),
-                         ("eos_token_id", tokenizer.eos_token_id), ("pad_token_id", tokenizer.pad_token_id)):
-        if model_options.get(field) is None and value is not None:
-            model_options[field] = value
-    return tokenizer
+        value = yaml.load(text, Loader=loader)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML: {' '.join(str(error).split())}",
+                          field=key) from None
+    node = config
+    for depth, name in enumerate(keys[:-1]):
+        if node.get(name) is None:
+            node[name] = {}
+        if not isinstance(node[name], dict):
+            where = ".".join(keys[: depth + 1])
+            raise ConfigError(f"--set {item!r}: {where} is {node[name]!r}, not a mapping", field=where,
+                              value=node[name])
+        node = node[name]
+    node[keys[-1]] = value
 
 
-def _indexed_data(options: dict, model_options: dict) -> dict:
-    """Megatron indexed files (`hf-dlm preprocess`): packed windows, blended by weight, shuffled per epoch,
-    endless (stop with training.max_steps). accelerate shards the stream over ranks; its position is saved
-    in every checkpoint."""
-    from torch.utils.data import Subset
-
-    from ..data.streams import PackedDataset, build_pretraining_dataset
-
-    prefixes = options.get("prefixes")
-    if isinstance(prefixes, str):
-        prefixes = [prefixes]
-    if not prefixes:
-        raise ConfigError("data.prefixes must list at least one indexed-file prefix (OUT of OUT.bin / OUT.idx)")
-    tokenizer = _tokenizer_ids(options, model_options, "indexed")
-    seq_len = options.get("seq_len", 2048)
-    try:
-        train = build_pretraining_dataset(prefixes, seq_len, weights=options.get("weights"),
-                                          seed=options.get("seed", 0), num_epochs=None)
-        eval_set = None
-        if options.get("eval_prefix"):
-            packed = PackedDataset(options["eval_prefix"], seq_len)  # windows with their documents' positions
-            eval_set = Subset(packed, range(min(len(packed), options.get("eval_windows", 32))))
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"data: {error}") from None
-    return {"train": train, "eval": eval_set, "tokenizer": tokenizer}
-
-
-def _sft_data(options: dict, model_options: dict) -> dict:
-    """Chat JSONL (one {"messages": [...]} per line) through the tokenizer's chat template; prompt tokens
-    are never noised; `padding_policy` 'eos' (LLaDA: train on EOS padding) or 'exclude'."""
-    import json
-
-    from ..data.sft_data import SFTDataConfig, SFTDataset
-
-    tokenizer = _tokenizer_ids(options, model_options, "sft")
-    rows = []
-    for key in ("train_file", "eval_file"):
-        path, loaded = options.get(key), []
-        if path:
-            try:
-                with open(path, encoding="utf-8") as f:
-                    for number, line in enumerate(f, 1):
-                        if line.strip():
-                            try:
-                                loaded.append(json.loads(line))
-                            except json.JSONDecodeError as error:
-                                raise ConfigError(f"{path}:{number}: malformed JSON ({error.msg})") from None
-            except OSError as error:
-                raise ConfigError(f"data.{key}: {error}") from None
-        rows.append(loaded)
-    if not rows[0]:
-        raise ConfigError("data.train_file must name a JSONL file with at least one conversation")
-    try:
-        padding = {key: options[key] for key in ("padding_policy", "padding") if key in options}  # padding: deprecated
-        config = SFTDataConfig(max_length=options.get("max_length", 1024), **padding)
-        train = SFTDataset(rows[0], tokenizer, config)
-        return {"train": train, "eval": SFTDataset(rows[1], tokenizer, config) if rows[1] else None,
-                "tokenizer": tokenizer}
-    except ValueError as error:
-        raise ConfigError(f"data: {error}") from None
-
-
-DATA_BUILDERS: dict[str, Callable[[dict, dict], dict]] = {
-    "corpus": _corpus_data, "random": _random_data, "indexed": _indexed_data, "sft": _sft_data}
-_DATA_OPTIONS = {"corpus": {"seq_len", "vocab_size", "eval_windows", "max_files", "packed_positions"},
-                 "random": {"seq_len", "num_samples", "eval_windows", "seed"},
-                 "indexed": {"prefixes", "weights", "tokenizer", "seq_len", "seed", "eval_prefix", "eval_windows"},
-                 "sft": {"train_file", "eval_file", "tokenizer", "max_length", "padding_policy", "padding"}}
-
-
-def register_data_builder(kind: str, builder: Callable[[dict, dict], dict], options: set[str] | None = None) -> None:
-    """Add a `data.kind`: builder(data_options, model_options) -> {"train", "eval", "tokenizer"}; it may
-    update model_options (vocab_size, mask_token_id, ...). `options`: the accepted keys (None: any)."""
-    DATA_BUILDERS[kind] = builder
-    if options is not None:
-        _DATA_OPTIONS[kind] = set(options)
-
-
-def build_data(data: dict, model_options: dict, path: str = "config") -> dict:
-    data = dict(data)
-    kind = data.pop("kind", None)
-    if kind not in DATA_BUILDERS:
-        raise ConfigError(f"{path}: data.kind must be one of {sorted(DATA_BUILDERS)}, got {kind!r}")
-    allowed = _DATA_OPTIONS.get(kind)
-    if allowed is not None and set(data) - allowed:
-        raise ConfigError(f"{path}: data.{sorted(set(data) - allowed)[0]} is not an option of data.kind {kind!r} "
-                          f"(options: {sorted(allowed)})")
-    for name, low in (("seq_len", 2), ("max_length", 2), ("num_samples", 1), ("vocab_size", 2), ("eval_windows", 0)):
-        value = data.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
-            raise ConfigError(f"{path}: data.{name} must be an integer >= {low}, got {value!r}")
-    try:
-        return DATA_BUILDERS[kind](data, model_options)
-    except ConfigError as error:
-        raise ConfigError(f"{path}: {error}") from None
+def _check_field(path: str, field: str, value, annotation) -> None:
+    """One line naming section.field, the value and the expected type, before any data is built."""
+    if not conforms(value, annotation):
+        raise ConfigError(f"{path}: {field} = {value!r}: expected {expected(annotation)}", field=field, value=value)
 
 
 # -- model and arguments --------------------------------------------------------------------------------
@@ -257,7 +122,13 @@ def check_model_section(model: dict, model_options: dict, path: str = "config") 
     known = {f.name for f in dataclasses.fields(DLMConfig)}
     typo = sorted(set(model_options) - known)
     if typo:
-        raise ConfigError(f"{path}: model.config.{typo[0]} is not a DLMConfig field")
+        raise ConfigError(f"{path}: model.config.{typo[0]} is not a DLMConfig field", field=f"model.config.{typo[0]}")
+    types = field_types(DLMConfig)
+    for name, value in model_options.items():
+        _check_field(path, f"model.config.{name}", value, types.get(name, object))
+    for name in ("name_or_path", "attn_implementation", "dtype"):
+        if model.get(name) is not None:
+            _check_field(path, f"model.{name}", model[name], str)
 
 
 def build_model(model: dict, model_options: dict, path: str = "config"):
@@ -291,14 +162,18 @@ def build_training_args(training: dict, path: str = "config"):
     options = {}
     for name, value in training.items():
         if name not in fields:
-            raise ConfigError(f"{path}: training.{name} is not a DLMTrainingArguments field")
-        if isinstance(value, str) and "float" in str(fields[name].type):
+            raise ConfigError(f"{path}: training.{name} is not a DLMTrainingArguments field", field=f"training.{name}")
+        annotation = field_types(DLMTrainingArguments).get(name)
+        if isinstance(value, str) and conforms(1.0, annotation) and not conforms(value, annotation):
             try:
                 value = float(value)  # YAML reads 3e-4 (no dot) as a string
             except ValueError:
-                raise ConfigError(f"{path}: training.{name} must be a number, got {value!r}") from None
+                pass
+        if name == "resume_from_checkpoint" and isinstance(value, bool):
+            value = "true" if value else None  # `resume_from_checkpoint: true`: the last checkpoint
+        _check_field(path, f"training.{name}", value, object if annotation is None else annotation)
         options[name] = value
-    options.setdefault("output_dir", "outputs/pretrain")
+    options.setdefault("output_dir", DEFAULT_OUTPUT_DIR)
     try:
         return DLMTrainingArguments(**options)
     except (TypeError, ValueError) as error:
@@ -349,14 +224,43 @@ def build_trainer(config: dict, path: str = "config"):
     return trainer, data["tokenizer"]
 
 
+def check_resume(training: dict, path: str = "config") -> str | None:
+    """The checkpoint to resume from (None: a fresh run), decided on every rank from the files alone, so a
+    refusal is the same one line on every rank of a launch and comes before any collective: an output_dir that
+    already holds checkpoints without resume_from_checkpoint, a resume with nothing to resume, or a checkpoint
+    file that cannot be read (named, with the previous checkpoint to fall back to)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    output_dir = training.get("output_dir", DEFAULT_OUTPUT_DIR)
+    resume = training.get("resume_from_checkpoint")
+    if isinstance(resume, str) and resume.lower() in ("true", "last"):
+        resume = True
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if not resume:
+        if last is not None and not training.get("overwrite_output_dir"):
+            raise ConfigError(f"{path}: training.output_dir {output_dir!r} already holds {os.path.basename(last)}: "
+                              "--set training.resume_from_checkpoint=true to continue it, or another output_dir "
+                              "(or training.overwrite_output_dir=true) for a new run", field="training.output_dir",
+                              value=output_dir)
+        return None
+    checkpoint = last if resume is True else resume
+    if checkpoint is None or not os.path.isdir(checkpoint):
+        where = f"{output_dir!r} holds no checkpoint" if resume is True else f"{resume!r} is not a checkpoint folder"
+        raise ConfigError(f"{path}: training.resume_from_checkpoint: {where}", field="training.resume_from_checkpoint",
+                          value=resume)
+    try:
+        check_checkpoint_files(checkpoint, "--set training.resume_from_checkpoint")
+    except CheckpointFileError as error:
+        raise ConfigError(str(error), field="training.resume_from_checkpoint", value=error.field) from None
+    return checkpoint
+
+
 def run_pretraining(path: str, overrides: list[str] | None = None) -> dict:
     """Train, evaluate (if there is an eval set) and save the final model; returns the metrics."""
     config = load_config(path, overrides)
+    resume = check_resume(config.get("training", {}), path)  # before any data is built or collective is run
     trainer, _ = build_trainer(config, path)
-    resume = trainer.args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() in ("true", "last"):
-        resume = True
-    result = trainer.train(resume_from_checkpoint=resume or None)
+    result = trainer.train(resume_from_checkpoint=resume)
     metrics = dict(result.metrics, global_step=result.global_step)
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())

@@ -120,10 +120,10 @@ class DLMTrainer(DiffusionBatchMixin, CheckpointingMixin, PipelineTrainingMixin,
         super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save and self._staging_root is None:  # final models, not every checkpoint
-            from ..hub.model_card import write_info, write_model_card
+            from ..utils.publishing import publisher  # hub/ sits above training
 
-            write_info(output_dir, training=self.training_details())
-            write_model_card(output_dir, self.accelerator.unwrap_model(self.model).config)
+            publisher().write_final_card(output_dir, self.accelerator.unwrap_model(self.model).config,
+                                         self.training_details())
 
 
 class _IndexedSamples(Dataset):

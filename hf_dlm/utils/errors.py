@@ -19,4 +19,16 @@ class FieldError(ValueError):
         self.has_value = value is not _UNSET
 
 
-__all__ = ["FieldError"]
+class ConfigError(FieldError):
+    """A bad entry of a YAML training config (`hf-dlm train`); `field` is its dotted path
+    (`training.max_steps`, `model.config.hidden_size`) when the error is about one entry."""
+
+    def __init__(self, message: str, field: str | None = None, value=_UNSET):
+        super().__init__(field, message, value)
+
+    def with_prefix(self, prefix: str) -> ConfigError:
+        """The same error with `prefix: ` (the config file) in front of its message."""
+        return ConfigError(f"{prefix}: {self}", self.field, self.value if self.has_value else _UNSET)
+
+
+__all__ = ["FieldError", "ConfigError"]

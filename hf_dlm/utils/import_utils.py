@@ -24,12 +24,11 @@ _EXTRAS = {
     "torchao": "fp8",
     "transformer_engine": "te",
     "flash_attn": "flash",
-    "liger_kernel": "kernels",
     "fastapi": "serve",
     "uvicorn": "serve",
     "lm_eval": "eval",
 }
-_DISTRIBUTIONS = {"yaml": "pyyaml", "flash_attn": "flash-attn", "liger_kernel": "liger-kernel",
+_DISTRIBUTIONS = {"yaml": "pyyaml", "flash_attn": "flash-attn",
                   "lm_eval": "lm-eval", "transformer_engine": "transformer-engine"}
 
 
@@ -50,26 +49,6 @@ def _is_available(name: str, min_version: str | None = None) -> bool:
     return min_version is None or found == "0" or version.parse(found) >= version.parse(min_version)
 
 
-def is_datasets_available() -> bool:
-    return _is_available("datasets")
-
-
-def is_pyarrow_available() -> bool:
-    return _is_available("pyarrow")
-
-
-def is_yaml_available() -> bool:
-    return _is_available("yaml")
-
-
-def is_zstandard_available() -> bool:
-    return _is_available("zstandard")
-
-
-def is_trl_available() -> bool:
-    return _is_available("trl")
-
-
 def is_peft_available() -> bool:
     return _is_available("peft")
 
@@ -80,22 +59,6 @@ def is_torchao_available(min_version: str = "0.10") -> bool:
 
 def is_transformer_engine_available() -> bool:
     return _is_available("transformer_engine")
-
-
-def is_flash_attn_available() -> bool:
-    return _is_available("flash_attn", "2.6")
-
-
-def is_liger_kernel_available() -> bool:
-    return _is_available("liger_kernel")
-
-
-def is_fastapi_available() -> bool:
-    return _is_available("fastapi") and _is_available("uvicorn")
-
-
-def is_lm_eval_available() -> bool:
-    return _is_available("lm_eval")
 
 
 def require(name: str, feature: str, min_version: str | None = None) -> None:

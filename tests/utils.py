@@ -181,9 +181,10 @@ def random_dataset(n: int = 24, seed: int = 0) -> TokenWindowDataset:
     return TokenWindowDataset(torch.randint(0, VOCAB - 1, (n, SEQ_LEN), generator=generator))
 
 
-class RecordingTrainer(DLMTrainer):
-    """Records the loss of every optimizer step (sum of its micro-batch losses, as the Trainer does),
-    the sample indices it drew and the gradients just before each optimizer step."""
+class StepRecorder:
+    """Mixed into a diffusion trainer (DLMTrainer, DLMSFTTrainer): records the loss of every optimizer step
+    (sum of its micro-batch losses, as the Trainer does), the sample indices it drew, its batches and the
+    gradients just before each optimizer step."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -208,6 +209,10 @@ class RecordingTrainer(DLMTrainer):
             model = self.accelerator.unwrap_model(self.model)
             self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
         return loss
+
+
+class RecordingTrainer(StepRecorder, DLMTrainer):
+    pass
 
 
 def window_stream(ids: torch.Tensor, seed: int = 0):
@@ -387,31 +392,12 @@ def sft_rows(n: int, seed: int = 3):
 
 @functools.cache
 def recording_sft_trainer_class():
-    """A DLMSFTTrainer that records each optimizer step's loss (sum over its micro-batches), the noise keys it
-    drew, and the gradients of the first step. Built on first use: importing DLMSFTTrainer imports trl."""
+    """DLMSFTTrainer with StepRecorder (each optimizer step's loss, the noise keys drawn, the first step's
+    gradients). Built on first use: importing DLMSFTTrainer imports trl."""
     from hf_dlm.training.sft_trainer import DLMSFTTrainer
 
-    class RecordingSFTTrainer(DLMSFTTrainer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.step_losses, self.sample_indices, self.grads = [], [], []
-            self._step_loss = 0.0
-
-        def _corrupt(self, batch, device, t_group=None):
-            self.sample_indices.extend(int(i) for i in batch["sample_index"])
-            return super()._corrupt(batch, device, t_group)
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            self._step_loss += float(loss)
-            if self.accelerator.sync_gradients:
-                self.step_losses.append(self._step_loss)
-                self._step_loss = 0.0
-                if not self.grads:
-                    model = self.accelerator.unwrap_model(self.model)
-                    self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                       if p.grad is not None})
-            return loss
+    class RecordingSFTTrainer(StepRecorder, DLMSFTTrainer):
+        pass
 
     return RecordingSFTTrainer
 

@@ -9,6 +9,8 @@
   is decoded from all masks one token per forward, the most confident masked position first, and must come
   out equal. Only tasks that read `is_greedy` (LAMBADA accuracy) differ; the iterative check costs one
   forward per continuation token. `subs=True`: [MASK] out of the softmax in both (MDLM SUBS models).
+  The scoring is `scoring.score_continuations`, a plain function benchmarks share; a causal model
+  (`attention_mode="causal"`) gets its exact log-likelihood there.
 - `loglikelihood_rolling`: lm-eval's disjoint rolling windows of `max_length`, each window's tokens
   scored by the ELBO given the window's context.
 - `generate_until`: the continuous-batching engine (the sampler's semantics, per-request seeds), cut
@@ -19,8 +21,6 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
@@ -28,41 +28,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from ..serving.engine import ContinuousBatchingEngine, GenerationRequest, decode_answer
-from ..diffusion.elbo import elbo_nll
 from ..utils.errors import FieldError
-
-GREEDY_CHECKS = ("one_forward", "iterative")
-
-
-def _denoise(model, ids, attention_mask, mask_id, subs):
-    logits = model.denoising_logits(ids, attention_mask=attention_mask).float()
-    if subs:
-        logits[..., mask_id] = float("-inf")
-    return logits
-
-
-@torch.no_grad()
-def greedy_one_forward(model, input_ids, attention_mask, answer, mask_id, subs=False) -> torch.Tensor:
-    """(B,) is every answer token the argmax when the whole answer is masked (one forward)?"""
-    logits = _denoise(model, input_ids.masked_fill(answer, mask_id), attention_mask, mask_id, subs)
-    return (logits.argmax(-1).eq(input_ids) | ~answer).all(1)
-
-
-@torch.no_grad()
-def greedy_iterative(model, input_ids, attention_mask, answer, mask_id, subs=False) -> torch.Tensor:
-    """(B,) LLaDA's `suffix_greedy_prediction`, batched: from a fully masked answer, each of the answer's K forwards
-    commits the argmax at the masked answer position whose argmax has the highest probability (a row stops after
-    its own K forwards); is the decoded answer the answer?"""
-    canvas = input_ids.masked_fill(answer, mask_id)
-    lengths = answer.sum(1)
-    for step in range(int(lengths.max()) if answer.any() else 0):
-        masked = (canvas == mask_id) & answer & (step < lengths).unsqueeze(1)  # (B, L)
-        probs = _denoise(model, canvas, attention_mask, mask_id, subs).softmax(-1)
-        confidence, x0 = probs.max(-1)  # (B, L)
-        best = confidence.masked_fill(~masked, -1.0).argmax(1)  # (B,)
-        rows = masked.any(1).nonzero().squeeze(1)
-        canvas[rows, best[rows]] = x0[rows, best[rows]]
-    return (canvas.eq(input_ids) | ~answer).all(1)
+from .scoring import GREEDY_CHECKS, greedy_iterative, greedy_one_forward, request_seed, score_continuations  # noqa: F401
 
 
 def _to_bool(value) -> bool:
@@ -76,13 +43,15 @@ class DLMEvalHarness(LM):
                  seed: int = 1234, max_length: int | None = None, max_gen_toks: int = 128, block_length: int = 32,
                  steps: int | None = None, threshold: float | None = None, temperature: float = 0.0,
                  remasking: str | None = None, cache: str | None = None, greedy_check: str = "one_forward",
-                 subs: bool | str = False, **unused):
+                 subs: bool | str = False, factor: float | None = None, entropy_bound: float | None = None,
+                 editing_threshold: float | None = None, compile=None, **unused):
         """pretrained: checkpoint folder (or pass `model` and `tokenizer` objects); peft: a LoRA adapter folder;
         mc_num: ELBO draws per request (LLaDA uses 128); steps: sampler steps for generate_until (default:
         one token per step); greedy_check: "one_forward" (default) or "iterative" (LLaDA's
         suffix_greedy_prediction), see the module docstring; subs: the model was trained with the objective's
         subs=True (the `mdlm` preset): [MASK] is removed from the softmax when scoring; remaining generation
-        knobs as in `model.generate`."""
+        knobs as in `model.generate` (generate_until runs the decoding core's engine: factor / entropy_bound /
+        editing_threshold commit rules, compile for its compiled step)."""
         super().__init__()
         if unused:
             raise TypeError(f"hf-dlm lm-eval model: unknown model_args {sorted(unused)}")
@@ -111,6 +80,9 @@ class DLMEvalHarness(LM):
         self.steps = None if steps is None else int(steps)
         self.threshold = None if threshold is None else float(threshold)
         self.temperature, self.remasking, self.cache = float(temperature), remasking, cache
+        self.rules = {name: None if value is None else float(value) for name, value in
+                      (("factor", factor), ("entropy_bound", entropy_bound), ("editing_threshold", editing_threshold))}
+        self.compile = {"true": True, "false": None, "none": None}.get(str(compile).lower(), compile)
         self.max_batch_size = int(max_batch_size or self.batch_size)
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
         self.prefix_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
@@ -131,40 +103,16 @@ class DLMEvalHarness(LM):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _request_seed(self, *token_lists) -> int:
-        digest = hashlib.sha256(repr((self.seed, *token_lists)).encode()).digest()
-        return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+        return request_seed(self.seed, *token_lists)
 
     # ---- scoring ---------------------------------------------------------------------------------
     def _score(self, pairs: list[tuple[list[int], list[int]]], progress: str | None = None) -> list[tuple[float, bool]]:
-        """(context ids, continuation ids) -> (log-likelihood bound, is_greedy), in the input order."""
-        order = sorted(range(len(pairs)), key=lambda i: -sum(map(len, pairs[i])))  # similar lengths batch together
-        results: list = [None] * len(pairs)
-        mask_id, pad = self.model.config.mask_token_id, self.tokenizer.pad_token_id or 0
-        for start in tqdm(range(0, len(order), self.batch_size), desc=progress, disable=progress is None):
-            chunk = order[start : start + self.batch_size]
-            rows = []
-            for i in chunk:
-                context, continuation = pairs[i]
-                context = (context or [self.prefix_token_id])[-(self.max_length - len(continuation)) :]
-                rows.append((context, continuation[-self.max_length :]))
-            width = max(len(c) + len(x) for c, x in rows)
-            input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-            attention_mask = torch.zeros_like(input_ids)
-            prompt_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-            for r, (context, continuation) in enumerate(rows):  # right padding
-                input_ids[r, : len(context) + len(continuation)] = torch.tensor(context + continuation)
-                attention_mask[r, : len(context) + len(continuation)] = 1
-                prompt_mask[r, : len(context)] = True
-            seeds = [self._request_seed(c, x) for c, x in rows]
-            bound = elbo_nll(self.model, input_ids, attention_mask, prompt_mask, mc_num=self.mc_num,
-                             batch_size=len(rows), row_seeds=seeds, subs=self.subs)["per_sequence"]
-            answer = attention_mask.bool() & ~prompt_mask
-            check = greedy_one_forward if self.greedy_check == "one_forward" else greedy_iterative
-            greedy = check(self.model, input_ids.to(self._device), attention_mask.to(self._device),
-                           answer.to(self._device), mask_id, self.subs).cpu()
-            for r, i in enumerate(chunk):
-                results[i] = (-float(bound[r]), bool(greedy[r]))
-        return results
+        """(context ids, continuation ids) -> (log-likelihood bound, is_greedy), in the input order
+        (`scoring.score_continuations`: the ELBO for diffusion models, the exact value for causal ones)."""
+        return score_continuations(self.model, pairs, pad_token_id=self.tokenizer.pad_token_id or 0,
+                                   prefix_token_id=self.prefix_token_id, max_length=self.max_length,
+                                   batch_size=self.batch_size, mc_num=self.mc_num, seed=self.seed, subs=self.subs,
+                                   greedy_check=self.greedy_check, progress=progress)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = []
@@ -199,7 +147,7 @@ class DLMEvalHarness(LM):
     # ---- generation ------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         engine = ContinuousBatchingEngine(self.model, max_batch_size=self.max_batch_size, max_waiting=len(requests),
-                                          eos_token_id=self.tokenizer.eos_token_id)
+                                          eos_token_id=self.tokenizer.eos_token_id, compile=self.compile)
         jobs = []
         for request in requests:
             context, gen_kwargs = request.args
@@ -217,7 +165,7 @@ class DLMEvalHarness(LM):
                 max_new_tokens=canvas, block_length=block_length,
                 steps=self.steps or canvas, temperature=temperature, top_p=gen_kwargs.pop("top_p", None),
                 top_k=gen_kwargs.pop("top_k", None), threshold=self.threshold, remasking=self.remasking,
-                cache=self.cache,
+                cache=self.cache, **self.rules,
                 seed=self._request_seed(ids, until))
             if gen_kwargs:
                 raise ValueError(f"hf-dlm generate_until: unsupported gen_kwargs {sorted(gen_kwargs)} "

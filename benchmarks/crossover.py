@@ -230,7 +230,8 @@ def train_run(study: dict, data: dict, spec: dict, device: str) -> dict:
             objective_preset="ar" if spec["objective"] == "ar" else training["dlm_objective"],
             bf16=bool(training["bf16"]), compile_blocks=bool(training["compile"]), use_cpu=not cuda,
             save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, logging_steps=steps,
-            t_buckets=0, dataloader_drop_last=True)
+            t_buckets=0, dataloader_drop_last=True,
+            logging_nan_inf_filter=False)  # the filter reads the loss on the host: a GPU sync every step
         autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if training["bf16"] and cuda
                     else (lambda: torch.autocast(device, enabled=False)))
         evaluation = PeriodicEvaluation(data, training, max(1, steps // training["evaluations"]), batch * seq_len,

@@ -141,7 +141,8 @@ def step_inputs(model, batch: int, prompt: int, gen: int, block: int, device: st
 
 def sampling_fn(canvas, logits_holder, prompt: int, block: int, mask_id: int):
     """The eager sampler's per-step arithmetic (greedy, low_confidence, budget 1 per row)."""
-    from hf_dlm.generation.sampling import confidence_scores, filter_logits, select_commits
+    from hf_dlm.generation.commit_rules import budget_commits
+    from hf_dlm.generation.sampling import confidence_scores, filter_logits
 
     mask_index = torch.tensor([mask_id], device=canvas.device)
     budget = torch.ones(canvas.shape[0], dtype=torch.long, device=canvas.device)
@@ -153,7 +154,7 @@ def sampling_fn(canvas, logits_holder, prompt: int, block: int, mask_id: int):
         x0 = candidates.argmax(-1)
         confidence = confidence_scores(logits, x0, "low_confidence")
         confidence = confidence.masked_fill(current.ne(mask_id), -torch.inf)
-        commit = select_commits(confidence, budget, None)
+        commit = budget_commits(confidence, budget)
         return torch.where(commit, x0, current)
 
     return run

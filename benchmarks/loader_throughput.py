@@ -2,6 +2,7 @@
 (blend of two prefixes, shuffled, rank-sharded stream, DataLoader with its default collate).
 
     python benchmarks/loader_throughput.py --tokens 40_000_000 --samples 2000
+    python benchmarks/loader_throughput.py --tiny    # seconds: 200k tokens, 64-token samples, 0 workers
 
 The 1.7B H200 benchmark consumes about 10 samples/s of 4096 tokens (~39k tokens/s).
 """
@@ -25,7 +26,10 @@ def main():
     parser.add_argument("--samples", type=int, default=2000, help="samples timed per setup")
     parser.add_argument("--batch-size", type=int, default=4, help="micro-batch size")
     parser.add_argument("--num-workers", type=int, nargs="+", default=[0, 2], help="DataLoader worker counts")
+    parser.add_argument("--tiny", action="store_true", help="smoke run in seconds (small files, no worker processes)")
     args = parser.parse_args()
+    if args.tiny:
+        args.tokens, args.seq_length, args.samples, args.num_workers = 200_000, 64, 64, [0]
 
     import torch
     from torch.utils.data import DataLoader
@@ -60,6 +64,7 @@ def main():
             batch = next(it)
             seen += batch["input_ids"].shape[0]
         seconds = time.perf_counter() - start
+        assert batch["input_ids"].shape == (args.batch_size, args.seq_length), batch["input_ids"].shape
         print(f"| {num_workers} | {seen / seconds:,.0f} | {seen * args.seq_length / seconds:,.0f} |")
 
 

@@ -2,6 +2,7 @@
 `map` with the same tokenizer), on the stdlib corpus written out as JSONL.
 
     python benchmarks/preprocess_throughput.py --copies 8 --vocab-size 8192
+    python benchmarks/preprocess_throughput.py --tiny   # seconds: 40 files' documents, one round, 1 worker
 
 Both sides start from the same JSONL file and end with token ids on disk (hf-dlm: .bin/.idx; datasets:
 its Arrow cache, in a fresh cache directory so nothing is reused). Setups run in interleaved rounds;
@@ -29,14 +30,17 @@ def main():
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="hf-dlm worker counts to time")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; the best time is kept")
     parser.add_argument("--num-proc", type=int, nargs="+", default=[1, 2], help="datasets.map num_proc values")
+    parser.add_argument("--tiny", action="store_true", help="smoke run in seconds (a small corpus, one round)")
     args = parser.parse_args()
+    if args.tiny:
+        args.copies, args.vocab_size, args.workers, args.rounds, args.num_proc = 1, 300, [1], 1, [1]
 
     from hf_dlm.data.corpus import stdlib_documents, train_bpe_tokenizer
     from hf_dlm.data.preprocess import PreprocessConfig, preprocess
 
     work = tempfile.mkdtemp(prefix="hf_dlm_bench_")
     atexit.register(shutil.rmtree, work, ignore_errors=True)
-    docs = stdlib_documents()
+    docs = stdlib_documents(max_files=40 if args.tiny else None)
     tokenizer = train_bpe_tokenizer(docs, vocab_size=args.vocab_size)
     tokenizer.save_pretrained(os.path.join(work, "tok"))
     corpus = os.path.join(work, "corpus.jsonl")
@@ -85,6 +89,7 @@ def main():
             token_counts[name], seconds = fn(option)
             walls.setdefault(name, []).append(seconds)
             cpus.setdefault(name, []).append(cpu_seconds() - cpu)
+    assert len(set(token_counts.values())) == 1, f"the setups disagree on the token count: {token_counts}"
     print("\n| setup | tokens | best wall s | tokens/s (best) | tokens/s (median) | CPU s (median) |")
     print("|---|---|---|---|---|---|")
     for name, _, _ in setups:

@@ -1,20 +1,23 @@
-"""Serving and evaluation throughput: `hf-dlm serve`'s app on a real uvicorn (127.0.0.1) and the lm-eval
-model `hf-dlm`, for the Qwen3-1.7B shape (28 layers, hidden 2048, 16 heads, 8 KV heads, ffn 6144,
-vocab 151936, tied; random bf16 weights).
+"""Decoding-core and serving throughput, random bf16 weights (LLaDA-8B shape by default: 32 layers, hidden 4096,
+32 heads, ffn 12288, vocab 126464; `--shape qwen3-1.7b` for the smaller one).
 
-1. Server: for each number of concurrent clients (default 1, 8, 32, 128), clients send streamed
-   /v1/completions requests (prompt = `--prompt-tokens` random token ids, `--max-tokens` new tokens,
-   blocks of `--block-length`, `--steps` steps, greedy) until `--requests-per-client` each are done.
-   Reported: requests/s, output tokens/s (tokens committed by the engine / wall time), time to first
-   block (first SSE event, mean / p50 / p90), mean latency, rows per forward pass (from /metrics).
-2. lm-eval: a local multiple-choice task of `--eval-docs` documents x 4 choices (= 4 loglikelihood
-   requests each) through `lm_eval.simple_evaluate` with the `hf-dlm` model (`--mc-num` ELBO draws,
-   `--eval-batch-size`); falls back to the model's `loglikelihood` on the same requests when the
-   harness cannot load its datasets here (said in the output).
-Random weights: every token is about as likely as any other, so answers never end early (no EOS)
-and threshold decoding would commit one token per step; the figures are the engine's cost per step.
+1. core (issue 27's Must-show): `model.generate` against the continuous-batching engine on the same requests,
+   `--new-tokens` (256) new tokens in blocks of `--block-length` (32), dual cache, compiled (`--compile`),
+   one token per step and threshold 0.9: all at once at each of `--batches` (16, 64), and `--arrivals` (64)
+   requests arriving one per `--arrival-every` (8) engine steps. Reported: tokens/s, engine steps and forwards
+   (one forward per step), engine / generate ratio, arrivals / all-at-once ratio; a table at the end.
+2. http: `hf-dlm serve`'s app on a real uvicorn (127.0.0.1): for each number of concurrent clients
+   (`--clients`), streamed /v1/completions requests; requests/s, output tokens/s, time to first block,
+   latency, rows per forward (from /metrics).
+3. float8 (CUDA only): batch-1 `model.generate` (same shape and options, one token per step, dual cache,
+   compiled) with bf16 weights and with float8 weights (`hf_dlm.generation.float8`): tokens/s and the share
+   of tokens equal to bf16 decoding.
+4. eval: a local multiple-choice task through `lm_eval.simple_evaluate` with the `hf-dlm` model (falls back
+   to the model's `loglikelihood` when the harness cannot load its datasets here).
+Random weights: answers never end early (stop_on_eos off) and threshold decoding commits about one token
+per step; the figures are the decoder's cost per step.
 
-    PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python benchmarks/serving_throughput.py --out results/
+    PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python benchmarks/serving_throughput.py --out results/   # GPU
     PYTHONPATH=$PWD python benchmarks/serving_throughput.py --tiny --out /tmp/x  # CPU smoke run
 """
 
@@ -32,7 +35,14 @@ import time
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run (tiny model, few requests)")
-    p.add_argument("--clients", default="1,8,32,128")
+    p.add_argument("--parts", default="core,float8,http,eval", help="comma-separated: core, float8, http, eval")
+    p.add_argument("--shape", default="llada-8b", choices=("llada-8b", "qwen3-1.7b"))
+    p.add_argument("--batches", default="16,64")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--arrivals", type=int, default=64)
+    p.add_argument("--arrival-every", type=int, default=8, help="engine steps between two arrivals")
+    p.add_argument("--compile", default="true", help="'true', 'none' or a DLMGenerationConfig.compile value")
+    p.add_argument("--clients", default="16,64")
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -58,11 +68,15 @@ def build(args):
     if args.tiny:
         shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    elif args.shape == "llada-8b":
+        shape = dict(vocab_size=126464, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=32, head_dim=128)
     else:
         shape = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                      num_attention_heads=16, num_key_value_heads=8, head_dim=128)
     vocab = shape["vocab_size"]
-    config = DLMConfig(**shape, max_position_embeddings=4096, tie_word_embeddings=True, qk_norm=True,
+    config = DLMConfig(**shape, max_position_embeddings=4096, tie_word_embeddings=args.shape != "llada-8b",
+                       qk_norm=args.shape != "llada-8b",
                        mask_token_id=vocab - 1, eos_token_id=vocab - 2, pad_token_id=vocab - 3,
                        attention_mode="bidirectional")
     config._attn_implementation = "sdpa"
@@ -122,10 +136,10 @@ def serve_benchmark(model, tokenizer, args, report):
 
     from hf_dlm.serving.app import ServerSettings, create_app
     from hf_dlm.serving.engine import ContinuousBatchingEngine
-    from tests.utils import ThreadedServer
 
-    engine = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=4096)
-    settings = ServerSettings(model_name="qwen3-1.7b-shape", max_prompt_tokens=4096, max_output_tokens=4096)
+    engine = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=4096,
+                                      compile=compile_value(args))
+    settings = ServerSettings(model_name=f"{args.shape}-shape", max_prompt_tokens=4096, max_output_tokens=4096)
     server = ThreadedServer(create_app(engine, tokenizer, settings, log=print))
     rng, vocab = random.Random(0), model.config.vocab_size
     try:
@@ -198,6 +212,141 @@ def eval_benchmark(model, tokenizer, args, report):
     print(json.dumps(row), flush=True)
 
 
+class ThreadedServer:
+    """uvicorn on a thread at 127.0.0.1 (a free port); `stop()` drains as SIGTERM does."""
+
+    def __init__(self, app):
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self, timeout: float = 60):
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def compile_value(args):
+    value = str(args.compile).lower()
+    return {"true": True, "none": None, "false": None}.get(value, args.compile)
+
+
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def core_benchmark(model, args, report):
+    """generate vs engine on equal requests (all at once), and the engine with requests arriving over time."""
+    import torch
+
+    from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
+
+    vocab, device = model.config.vocab_size, next(model.parameters()).device
+    batches = [int(b) for b in args.batches.split(",")]
+    compile_choice = compile_value(args)
+    engine = ContinuousBatchingEngine(model, max_batch_size=max(batches + [args.arrivals]), max_waiting=4096,
+                                      compile=compile_choice)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, vocab - 3, (max(batches + [args.arrivals]), args.prompt_tokens), generator=generator)
+    for label, rule in (("one token per step", dict(steps=args.new_tokens)),
+                        ("threshold 0.9", dict(steps=args.new_tokens, threshold=0.9))):
+        options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, cache="dual",
+                       temperature=0.0, stop_on_eos=False, **rule)
+
+        def engine_run(count, every=0):
+            requests = [GenerationRequest(prompts[i].tolist(), engine.sampling_params(**options)) for i in range(count)]
+            steps_before, forwards_before = engine.stats["engine_steps"], engine.stats["forward_passes"]
+            _sync()
+            start, pending, step = time.perf_counter(), list(requests), 0
+            while pending or engine.has_work():
+                if pending and (every == 0 or step % every == 0):
+                    take = len(pending) if every == 0 else 1
+                    engine.submit(pending[:take])
+                    pending = pending[take:]
+                engine.step()
+                step += 1
+            _sync()
+            wall = time.perf_counter() - start
+            return (sum(len(r.generated) for r in requests) / wall, engine.stats["engine_steps"] - steps_before,
+                    engine.stats["forward_passes"] - forwards_before)
+
+        for batch in batches:
+            ids = prompts[:batch].to(device)
+            for _ in range(2):  # the first run compiles and captures
+                _sync()
+                start = time.perf_counter()
+                model.generate(ids, compile=compile_choice, **options)
+                _sync()
+                generate_tps = batch * args.new_tokens / (time.perf_counter() - start)
+            engine_run(batch)
+            engine_tps, steps, forwards = engine_run(batch)
+            row = {"setting": label, "batch": batch, "arrival": "all at once", "generate_tok_s": round(generate_tps, 1),
+                   "engine_tok_s": round(engine_tps, 1), "ratio": round(engine_tps / generate_tps, 3),
+                   "engine_steps": steps, "forwards": forwards}
+            report["core"].append(row)
+            print(json.dumps(row), flush=True)
+            dump(report, args)
+        all_at_once = next((r["engine_tok_s"] for r in report["core"]
+                            if r["setting"] == label and r["batch"] == args.arrivals), None)
+        engine_run(args.arrivals, args.arrival_every)
+        tps, steps, forwards = engine_run(args.arrivals, args.arrival_every)
+        row = {"setting": label, "batch": args.arrivals, "arrival": f"one per {args.arrival_every} steps",
+               "engine_tok_s": round(tps, 1), "engine_steps": steps, "forwards": forwards,
+               "ratio_to_all_at_once": None if all_at_once is None else round(tps / all_at_once, 3)}
+        report["core"].append(row)
+        print(json.dumps(row), flush=True)
+        dump(report, args)
+
+
+def float8_benchmark(model, args, report):
+    """Batch-1 decoding with bf16 and float8 weights: tokens/s and the share of tokens equal to bf16's."""
+    import copy
+
+    import torch
+
+    from hf_dlm.generation.float8 import quantize_float8_for_decoding
+
+    if not torch.cuda.is_available():
+        print("float8: skipped (needs a CUDA GPU with float8 tensor cores)")
+        return
+    ids = torch.randint(0, model.config.vocab_size - 3, (1, args.prompt_tokens),
+                        generator=torch.Generator().manual_seed(1)).to(next(model.parameters()).device)
+    options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, steps=args.new_tokens,
+                   cache="dual", temperature=0.0, stop_on_eos=False, compile=compile_value(args))
+    rows = {}
+    for name in ("bf16", "float8"):
+        target = model if name == "bf16" else quantize_float8_for_decoding(copy.deepcopy(model))
+        for _ in range(2):  # the first run compiles and captures
+            _sync()
+            start = time.perf_counter()
+            out = target.generate(ids, **options)
+            _sync()
+            wall = time.perf_counter() - start
+        rows[name] = (out[0, args.prompt_tokens:], args.new_tokens / wall)
+        del target
+    same = float((rows["float8"][0] == rows["bf16"][0]).float().mean())
+    report["float8"] = {"batch": 1, "bf16_tok_s": round(rows["bf16"][1], 1), "float8_tok_s": round(rows["float8"][1], 1),
+                        "tokens_equal_to_bf16": round(same, 3)}
+    print(json.dumps(report["float8"]), flush=True)
+    dump(report, args)
+
+
 def dump(report, args):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "serving_throughput.json"), "w") as f:
@@ -209,26 +358,44 @@ def main():
     if args.tiny:
         args.clients, args.max_tokens, args.block_length, args.steps = "1,4", 8, 4, 4
         args.prompt_tokens, args.eval_docs, args.mc_num, args.eval_batch_size = 8, 10, 2, 8
+        args.batches, args.new_tokens, args.arrivals, args.arrival_every, args.compile = "2,4", 16, 4, 2, "none"
+    parts = set(args.parts.split(","))
     import torch
 
     model, tokenizer, device = build(args)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "args": vars(args),
-              "serve": [], "eval": None}
+              "core": [], "float8": None, "serve": [], "eval": None}
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}e9 parameters on {report['device']}")
     with torch.inference_mode():
-        serve_benchmark(model, tokenizer, args, report)
+        if "core" in parts:
+            core_benchmark(model, args, report)
+        if "http" in parts:
+            serve_benchmark(model, tokenizer, args, report)
+        if "float8" in parts:
+            float8_benchmark(model, args, report)
     dump(report, args)
-    with torch.inference_mode():
-        eval_benchmark(model, tokenizer, args, report)
-    dump(report, args)
-    print("| clients | requests | requests/s | output tokens/s | first block mean / p50 / p90 (s) | latency (s) "
-          "| rows/forward |")
-    print("|---|---|---|---|---|---|---|")
-    for r in report["serve"]:
-        print(f"| {r['clients']} | {r['requests']} | {r['requests_per_s']} | {r['output_tokens_per_s']:,} | "
-              f"{r['first_block_mean_s']} / {r['first_block_p50_s']} / {r['first_block_p90_s']} | "
-              f"{r['latency_mean_s']} | {r['rows_per_forward']} |")
-    print(json.dumps(report["eval"]))
+    if "eval" in parts:
+        with torch.inference_mode():
+            eval_benchmark(model, tokenizer, args, report)
+        dump(report, args)
+    if report["core"]:
+        print("| setting | batch | arrival | generate tok/s | engine tok/s | engine / generate | steps | forwards "
+              "| vs all at once |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in report["core"]:
+            print(f"| {r['setting']} | {r['batch']} | {r['arrival']} | {r.get('generate_tok_s', '-')} | "
+                  f"{r['engine_tok_s']} | {r.get('ratio', '-')} | {r['engine_steps']} | {r['forwards']} | "
+                  f"{r.get('ratio_to_all_at_once', '-')} |")
+    if report["serve"]:
+        print("| clients | requests | requests/s | output tokens/s | first block mean / p50 / p90 (s) | latency (s) "
+              "| rows/forward |")
+        print("|---|---|---|---|---|---|---|")
+        for r in report["serve"]:
+            print(f"| {r['clients']} | {r['requests']} | {r['requests_per_s']} | {r['output_tokens_per_s']:,} | "
+                  f"{r['first_block_mean_s']} / {r['first_block_p50_s']} / {r['first_block_p90_s']} | "
+                  f"{r['latency_mean_s']} | {r['rows_per_forward']} |")
+    if report["eval"]:
+        print(json.dumps(report["eval"]))
 
 
 if __name__ == "__main__":

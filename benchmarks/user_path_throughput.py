@@ -42,19 +42,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def write_config(path, work, a):
-    """The 1.7B example config with indexed data (or a tiny CPU model)."""
+def write_config(path, work, a, tokenizer):
+    """The 1.7B example config with indexed data (or a tiny CPU model); the mask id is the one of the
+    tokenizer the data brings (the YAML's Qwen id 151669 is not in this BPE vocabulary)."""
     import yaml
 
     with open(os.path.join(ROOT, "examples", "configs", "qwen3_1.7b_shape.yaml")) as f:
         config = yaml.safe_load(f)
     seq = 64 if a.tiny else config["data"]["seq_len"]
+    config["model"]["config"]["mask_token_id"] = tokenizer.mask_token_id
     config["data"] = {"kind": "indexed", "prefixes": [os.path.join(work, "docs")],
                       "tokenizer": os.path.join(work, "tokenizer"), "seq_len": seq}
     config["training"].update(output_dir=os.path.join(work, "run"), max_steps=a.steps, logging_steps=a.logging_steps,
                               save_steps=10**6, warmup_steps=min(10, a.steps // 2), disable_tqdm=True)
     if a.tiny:
-        config["model"]["config"].update(vocab_size=512, mask_token_id=511, hidden_size=64, intermediate_size=128,
+        config["model"]["config"].update(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          head_dim=16, max_position_embeddings=seq)
         config["training"].update(use_cpu=True, bf16=False, optim="adamw_torch", per_device_train_batch_size=2,
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
                           os.path.join(work, "docs"), "--tokenizer", os.path.join(work, "tokenizer"), "--append-eod",
                           "--no-progress"], check=True, env=env)
     preprocess_s = time.perf_counter() - t0
-    config = write_config(os.path.join(work, "train.yaml"), work, a)
+    config = write_config(os.path.join(work, "train.yaml"), work, a, tokenizer)
     sets = [x for o in a.overrides for x in ("--set", o)]
     t0 = time.perf_counter()
     proc = subprocess.run(cli + ["train", os.path.join(work, "train.yaml"), *sets], env=env, capture_output=True, text=True)

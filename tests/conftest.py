@@ -11,6 +11,20 @@ def make_model():
     return tiny_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _corpus_cache(tmp_path_factory):
+    """The quickstart corpus cache of this test session, not the user's (~/.cache/hf_dlm)."""
+    import os
+
+    previous = os.environ.get("HF_DLM_CACHE")
+    os.environ["HF_DLM_CACHE"] = str(tmp_path_factory.mktemp("hf_dlm_cache"))
+    yield
+    if previous is None:
+        os.environ.pop("HF_DLM_CACHE", None)
+    else:
+        os.environ["HF_DLM_CACHE"] = previous
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models run fastest on one thread, and the CI machine is shared: run a test on one, then restore."""

@@ -9,6 +9,7 @@ from hf_dlm import DLMConfig, DLMForDiffusionLM
 from hf_dlm.training.post_training import toy_rows, toy_tokenizer
 from hf_dlm.training.sft_config import DLMSFTConfig
 from hf_dlm.training.sft_trainer import DLMSFTTrainer
+from tests.utils import flat_params  # noqa: F401  (re-exported for the SFT tests)
 
 
 def sft_model(tokenizer, seed: int = 0) -> DLMForDiffusionLM:
@@ -67,11 +68,6 @@ def sft_trainer(output_dir, rows: int = 16, model_seed: int = 0, tokenizer=None,
     tokenizer = tokenizer or toy_tokenizer()
     return RecordingSFTTrainer(model=sft_model(tokenizer, model_seed), args=sft_config(output_dir, **overrides),
                                train_dataset=sft_rows(rows), processing_class=tokenizer)
-
-
-def flat_params(model) -> torch.Tensor:
-    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
-                      for p in model.parameters()])
 
 
 def logged(trainer, key: str, after_step: int = 0) -> list:

@@ -254,3 +254,21 @@ def test_greedy_check_is_validated_by_name(setup):
 
     with pytest.raises(FieldError, match="greedy_check"):
         make_lm(setup, greedy_check="sometimes")
+
+
+@pytest.mark.parametrize("rule", [dict(factor=1.0, cache="dual"), dict(threshold=0.5, editing_threshold=0.3)])
+def test_generate_until_runs_the_decoding_core_with_its_commit_rules(setup, rule):
+    # model args as lm-eval passes them (strings) reach the engine: the answer equals model.generate's
+    _, model, tokenizer = setup
+    lm = make_lm(setup, max_gen_toks=8, block_length=4, **{k: str(v) for k, v in rule.items() if k != "cache"},
+                 cache=rule.get("cache"))
+    context = "the quick brown"
+    (answer,) = lm.generate_until([_Request(context, {"until": ["\n\n"]})], disable_tqdm=True)
+    ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=8, block_length=4, steps=8, stop_on_eos=False, **rule)
+    tokens = out[0, len(ids):].tolist()
+    eos = tokenizer.eos_token_id
+    expected = tokenizer.decode(tokens[: tokens.index(eos)] if eos in tokens else tokens, skip_special_tokens=True)
+    assert answer == expected.split("\n\n")[0]
+    with pytest.raises(ValueError, match="editing_threshold"):
+        make_lm(setup, editing_threshold="0.5").generate_until([_Request(context, {})], disable_tqdm=True)

@@ -310,11 +310,16 @@ def llada2_case():
     return config, sd, reference
 
 
+def llada21_case():
+    config, sd, reference = llada2_case()
+    return {**config, "model_type": "llada21_moe"}, sd, reference
+
+
 CASES = {"llada": llada_case, "Dream": dream_case, "sdar": sdar_case, "Fast_dLLM_Qwen": fast_dllm_case,
-         "sdar_moe": sdar_moe_case, "lladamoe": lladamoe_case, "llada2_moe": llada2_case}
+         "sdar_moe": sdar_moe_case, "lladamoe": lladamoe_case, "llada2_moe": llada2_case, "llada21_moe": llada21_case}
 LAYOUTS = {"llada": ("bidirectional", "same"), "Dream": ("bidirectional", "shift"), "sdar": ("block", "same"),
            "Fast_dLLM_Qwen": ("block", "shift"), "sdar_moe": ("block", "same"), "lladamoe": ("bidirectional", "same"),
-           "llada2_moe": ("block", "same")}
+           "llada2_moe": ("block", "same"), "llada21_moe": ("block", "same")}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -405,3 +410,16 @@ def test_dlm_trainer_steps_lower_the_loss(family_case, tmp_path, lora):
     if lora:
         assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
         assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+
+
+def test_auto_model_loads_the_base_model(family_case):
+    """AutoModel (the family's base model) reads the same published folder: the LM's final hidden states."""
+    from transformers import AutoModel
+
+    name, _, _, _, folder = family_case
+    lm = AutoModelForMaskedLM.from_pretrained(folder, attn_implementation="eager").eval()
+    base = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    assert type(base) is FAMILIES[name].base_class
+    with torch.no_grad():
+        torch.testing.assert_close(base(input_ids=IDS).last_hidden_state, lm.model(input_ids=IDS).last_hidden_state,
+                                   atol=0, rtol=0)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hf_dlm.generation.sampling import finished_rows, num_transfer_tokens, select_commits
+from hf_dlm.generation.commit_rules import threshold_commits
+from hf_dlm.generation.sampling import finished_rows, num_transfer_tokens
 from tests.utils import SCRIPTED_EOS as EOS
 from tests.utils import SCRIPTED_MASK as MASK
 from tests.utils import SCRIPTED_VOCAB as VOCAB
@@ -52,8 +53,8 @@ def test_tokens_per_step_is_the_llada_budget():
 
 
 def test_threshold_commits_everything_above_tau_and_at_least_the_best():
-    assert select_commits(torch.tensor([[0.5, 0.3, 0.7, -torch.inf]]), None, 0.5).tolist() == [[True, False, True, False]]
-    assert select_commits(torch.tensor([[0.2, 0.3, 0.1]]), None, 0.9).tolist() == [[False, True, False]]
+    assert threshold_commits(torch.tensor([[0.5, 0.3, 0.7, -torch.inf]]), 0.5).tolist() == [[True, False, True, False]]
+    assert threshold_commits(torch.tensor([[0.2, 0.3, 0.1]]), 0.9).tolist() == [[False, True, False]]
     # p(token 3) = 0.9, 0.6, 0.8, 0.55 at the four masks, tau 0.7: step 1 takes 0.9 and 0.8, then the best
     probs = torch.tensor([0.9, 0.6, 0.8, 0.55])
     def script(ids):

@@ -312,7 +312,7 @@ def test_every_preset_names_its_source():
 
 def test_trainers_pass_subs_to_the_model():
     """The trainers' model inputs (`corrupted_model_inputs`) carry SUBS: their loss equals the objective's."""
-    from hf_dlm.training.trainer import corrupted_model_inputs
+    from hf_dlm.training.diffusion_batch import corrupted_model_inputs
 
     model = _large_mask_logit_model()
     objective = MaskedDiffusionObjective.from_preset("mdlm", mask_token_id=MASK_ID)
@@ -322,3 +322,26 @@ def test_trainers_pass_subs_to_the_model():
     with torch.no_grad():
         loss = model(**inputs, num_items_in_batch=corrupted["num_items_in_batch"]).loss
     torch.testing.assert_close(loss, expected)
+
+
+def test_preset_parity_table(tmp_path):
+    """benchmarks/preset_parity.py (the README's preset table), one seed: every preset and option equals its
+    source's transcription on the same draws, and the rows that name a different convention do not."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "preset_parity.py")
+    spec = importlib.util.spec_from_file_location("preset_parity", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = {r["preset"]: r for r in module.main(["--tiny", "--json", str(tmp_path / "rows.json")])}
+    different = {"mdlm with subs=False (before)", "mdlm with subs=False, large [MASK] logit",
+                 "d1 estimator at rollout temperature 0.9 (default; mean nats/token)"}
+    for name, r in rows.items():
+        if r["max_rel_diff"] is None:
+            continue
+        if name in different:
+            assert r["max_rel_diff"] > 1e-4, name
+        else:
+            assert r["max_rel_diff"] < 1e-6, (name, r["max_rel_diff"])
+    assert rows["mdlm with subs=False, large [MASK] logit"]["max_rel_diff"] > 0.1

@@ -10,8 +10,9 @@ from transformers import AutoModelForMaskedLM
 
 from hf_dlm import DLMForDiffusionLM
 from hf_dlm.cli import main as cli_main
-from hf_dlm.data.corpus import SPECIAL_TOKENS, split_documents, stdlib_documents, train_bpe_tokenizer
-from hf_dlm.training.quickstart import QuickstartConfig, run_quickstart
+from hf_dlm.data.corpus import (SPECIAL_TOKENS, cached_prose_corpus, prose_paragraphs, split_documents,
+                                stdlib_documents, train_bpe_tokenizer)
+from hf_dlm.training.quickstart import QuickstartConfig, choose_threads, run_quickstart
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,23 +30,60 @@ def test_corpus_is_deterministic_english_with_special_tokens():
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
 
 
+def test_prose_paragraphs_keep_running_text_only():
+    doc = ("The for statement\n*****************\n\nThe for statement is used to iterate over the elements of\n"
+           "a sequence (such as a string, tuple or list) or other iterable object.\n\n   for_stmt ::= \"for\" "
+           "target_list \"in\" expression_list\n\n>>> for x in range(3): print(x) and a long doctest line here\n\n"
+           "Short one.")
+    assert prose_paragraphs(doc) == ["The for statement is used to iterate over the elements of a sequence (such as "
+                                     "a string, tuple or list) or other iterable object."]
+
+
+def test_prose_corpus_is_cached_with_a_chat_template(tmp_path, monkeypatch):
+    first = cached_prose_corpus(300, str(tmp_path), max_files=30)
+    assert not first["cached"] and first["train_ids"] and first["heldout_ids"] and "the" in first["words"]
+    assert not any("\n" in first["tokenizer"].decode(ids) for ids in first["train_ids"])  # prose on one line
+    import hf_dlm.data.corpus as corpus
+
+    monkeypatch.setattr(corpus, "stdlib_documents", lambda **_: pytest.fail("the cache was not used"))
+    again = cached_prose_corpus(300, str(tmp_path), max_files=30)
+    assert again["cached"] and again["train_ids"] == first["train_ids"] and again["words"] == first["words"]
+    chat = again["tokenizer"].apply_chat_template([{"role": "user", "content": "What is a list?"}],
+                                                  add_generation_prompt=True, tokenize=False)
+    assert chat == "User: What is a list?\nAssistant:"
+
+
+def test_threads_are_the_idle_cores():
+    assert choose_threads(cpus=2, load=0.0) == 2  # idle: every core
+    assert choose_threads(cpus=2, load=1.0) == 1  # one busy process: one thread, not two fighting it
+    assert choose_threads(cpus=2, load=9.0) == 1
+    assert choose_threads(cpus=8, load=2.2) == 6
+
+
+def _tiny(tmp_path, **overrides):
+    options = dict(output_dir=str(tmp_path / "qs"), max_seconds=600, max_steps=25, vocab_size=320, seq_len=64,
+                   batch_size=8, hidden_size=48, num_layers=2, num_heads=4, eval_windows=8, mc_num=2,
+                   learning_rate=3e-3, warmup_steps=5, max_new_tokens=8, corpus_max_files=60,
+                   cache_dir=str(tmp_path / "cache"), threads=1)
+    return QuickstartConfig(**{**options, **overrides})
+
+
 def test_quickstart_trains_saves_a_loadable_checkpoint_and_samples(tmp_path):
-    cfg = QuickstartConfig(output_dir=str(tmp_path / "qs"), max_seconds=600, max_steps=25, vocab_size=320, seq_len=64,
-                           batch_size=8, hidden_size=48, num_layers=2, num_heads=4, eval_windows=8, mc_num=2,
-                           learning_rate=3e-3, warmup_steps=5, max_new_tokens=8)
+    cfg = _tiny(tmp_path)
     lines = []
     result = run_quickstart(cfg, log=lines.append)
     assert result["steps"] == 25  # max_steps first: the 600 s are not reached
     # --max-seconds bounds the whole command: training gets what the corpus and model set-up used and what
     # the evaluation, save and sample are estimated to need leave (before, training alone took max_seconds)
     budget = result["budget"]
-    assert budget["setup_seconds"] > 0 and budget["finish_seconds"] > 1.0
+    assert budget["setup_seconds"] > 0 and budget["finish_seconds"] > 2.0
     assert budget["setup_seconds"] + budget["train_seconds"] + budget["finish_seconds"] == pytest.approx(cfg.max_seconds)
     assert result["heldout_elbo_after"] < result["heldout_elbo_before"]
-    assert any("held-out ELBO" in line for line in lines)
+    assert result["undertrained"] == (result["relative_drop"] < 0.3)
+    assert any("held-out ELBO" in line for line in lines) and result["threads"] == 1
     model = AutoModelForMaskedLM.from_pretrained(tmp_path / "qs")
     assert isinstance(model, DLMForDiffusionLM) and model.config.mask_token_id is not None
-    assert isinstance(result["sample"], str)
+    assert isinstance(result["sample"], str) and 0 <= result["sample_corpus_word_share"] <= 1
 
     # examples/usage.py runs against the checkpoint the quickstart wrote
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "usage.py"), str(tmp_path / "qs"),
@@ -55,6 +93,15 @@ def test_quickstart_trains_saves_a_loadable_checkpoint_and_samples(tmp_path):
     # the NELBO per token: near the held-out bound, not rescaled by the masked count (which gave ~60)
     nelbo = float(re.search(r"NELBO ([0-9.]+) nats per token", out.stdout).group(1))
     assert nelbo < 1.5 * math.log(cfg.vocab_size)
+
+
+def test_too_short_a_run_says_so_and_exits_non_zero(tmp_path, capsys):
+    args = ["quickstart", "--output-dir", str(tmp_path / "qs"), "--max-steps", "2", "--vocab-size", "320",
+            "--hidden-size", "32", "--num-layers", "1", "--eval-windows", "4", "--mc-num", "1", "--max-new-tokens",
+            "4", "--corpus-max-files", "60", "--cache-dir", str(tmp_path / "cache"), "--threads", "1"]
+    assert cli_main(args) == 1
+    assert "too little training to learn" in capsys.readouterr().out
+    assert cli_main(args + ["--allow-undertrained"]) == 0
 
 
 def test_cli_lists_commands_and_rejects_unknown(capsys):

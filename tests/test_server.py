@@ -114,6 +114,10 @@ def test_invalid_json_names_no_field(server):
                               headers={"content-type": "application/json"})
         error = response.json()["error"]
         assert response.status_code == 400 and error["param"] is None, (raw[:40], error)
+    huge = json.dumps({"prompt": "x" * (server.app_server.settings.max_body_bytes + 1)}).encode()
+    response = httpx.post(server.url + "/v1/completions", content=huge, timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["param"] is None
     for body in ([], 5, "prompt", None):  # JSON, but not an object
         status, reply = post(server, body)
         assert status == 422 and reply["error"]["param"] is None, (body, reply)
@@ -240,6 +244,7 @@ def test_a_failing_row_fails_its_request_alone_and_frees_its_slot(server, monkey
     monkeypatch.undo()
     assert post(server, {"prompt": "lazy dog", "max_tokens": 8, **DLM})[0] == 200
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    assert re.search(r"^hf_dlm_engine_up 1$", httpx.get(server.url + "/metrics", timeout=60).text, re.M)
 
 
 def test_engine_rows_that_cannot_start_or_whose_callback_raises_fail_alone():
@@ -292,6 +297,30 @@ def test_a_dead_engine_thread_fails_open_requests_and_health_says_so():
         health = httpx.get(running.url + "/health", timeout=60)
         assert health.status_code == 503 and health.json()["status"] == "error"
         assert post(running, {"prompt": "the quick", "max_tokens": 8})[0] == 503  # refused at once, not queued
+        assert re.search(r"^hf_dlm_engine_up 0$", httpx.get(running.url + "/metrics", timeout=60).text, re.M)
         assert any(re.search("ERROR: the generation engine stopped", line) for line in running.logged)
     finally:
         running.stop()
+
+
+def test_serve_cli_options_reach_the_server(tmp_path, monkeypatch):
+    # --served-model-name NAME... (the first named in responses, all accepted), --chat-template, --drain-timeout
+    import argparse
+
+    from hf_dlm.commands import serve as serve_command
+    from hf_dlm.serving import app as app_module
+    from tests.utils import SERVING_CHAT_TEMPLATE, save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path / "model")
+    (tmp_path / "template.jinja").write_text(SERVING_CHAT_TEMPLATE)
+    parser = argparse.ArgumentParser()
+    serve_command.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "model"), "--device", "cpu", "--served-model-name", "a", "b",
+                              "--chat-template", str(tmp_path / "template.jinja"), "--drain-timeout", "2.5"])
+    served = []
+    monkeypatch.setattr(app_module, "serve", lambda app, **options: served.append((app, options)))
+    assert serve_command.run(args) == 0
+    (app, options), = served
+    settings = app.state.server.settings
+    assert settings.model_names == ("a", "b") and settings.drain_timeout == 2.5
+    assert settings.chat_template == SERVING_CHAT_TEMPLATE and options["port"] == 8000

@@ -14,7 +14,7 @@ import torch
 from hf_dlm.serving.engine import ContinuousBatchingEngine
 from hf_dlm.serving.protocol import FIELD_NAMES
 
-from .serving_utils import ThreadedServer, tiny_served_model
+from tests.utils import ThreadedServer, tiny_served_model
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.utils import free_port, save_tiny_checkpoint
+from tests.utils import free_port, save_tiny_checkpoint, wait_until_serving
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -56,14 +56,8 @@ def test_sigterm_answers_open_requests_and_exits_when_rows_never_finish(tmp_path
             replies["stream"] = response.status_code, [line for line in response.iter_lines() if line]
 
     try:
+        wait_until_serving(process, url)
         deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         clients = [threading.Thread(target=complete), threading.Thread(target=stream)]
         for client in clients:
             client.start()

@@ -14,7 +14,7 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from hf_dlm.training.checkpointing import FLOAT8_STATE_NAME, OBJECTIVE_NAME, STAGING_DIR  # noqa: E402
 from tests.sft_utils import flat_params, logged, sft_trainer  # noqa: E402
-from tests.trainer_utils import StopAfter  # noqa: E402
+from tests.utils import StopAfter  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -49,7 +49,7 @@ def _write(tmp_path, text):
 @pytest.mark.parametrize("text,message", [
     ("training:\n  learning_rat: 0.1\n", "training.learning_rat is not a DLMTrainingArguments field"),
     ("training:\n  schedule: square\n", "DLMTrainingArguments.schedule must be"),
-    ("training:\n  learning_rate: fast\n", "training.learning_rate must be a number"),
+    ("training:\n  learning_rate: fast\n", "training.learning_rate = 'fast': expected a number"),
     ("trainig:\n  max_steps: 1\n", "unknown section"),
     ("model:\n  config: {hiden_size: 8}\ndata: {kind: random}\n", "model.config.hiden_size is not a DLMConfig field"),
     ("model:\n  config: {vocab_size: 9}\ndata: {kind: megatron}\n", "data.kind must be one of"),

@@ -234,7 +234,9 @@ def make_trainer(output_dir, dataset=None, model_seed: int = 0, trainer_class=Re
 
 
 def flat_params(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    """Every parameter in one vector (sharded DTensors gathered)."""
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                      for p in model.parameters()])
 
 
 class StopAfter(TrainerCallback):
@@ -351,3 +353,17 @@ class ThreadedServer:
         self.server.should_exit = True
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the server did not drain in time"
+
+
+def wait_until_serving(process, url: str, timeout: float = 120):
+    """Wait for a server subprocess to answer /health; fail if it exits or takes longer than `timeout`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)

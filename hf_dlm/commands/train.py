@@ -15,7 +15,8 @@ def add_arguments(parser, config_flag: str | None = None):
     else:
         parser.add_argument("config", help=help_text)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config entry, e.g. --set training.max_steps=10 (repeatable)")
+                        help="override one config entry at any depth, e.g. --set training.max_steps=10 or "
+                             "--set model.config.hidden_size=48 (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the final metrics as one JSON line")
 
 

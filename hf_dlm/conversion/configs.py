@@ -102,39 +102,16 @@ def megadlms_config(source: dict) -> dict:
 
 
 def llada_config(source: dict) -> dict:
-    """LLaDA (OLMo-derived `LLaDAConfig`): only the `block_type="llama"`, RMSNorm, SiLU, RoPE variant that
-    the released checkpoints use; anything else is rejected by name."""
-    required = {"block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu"}
-    for field, value in required.items():
-        if source.get(field, value) != value:
-            raise ValueError(f"LLaDA config field {field}={source.get(field)!r} is not supported (only {value!r})")
-    for field in ("alibi", "attention_layer_norm", "scale_logits", "input_emb_norm", "include_bias", "yarn"):
-        if source.get(field):
-            raise ValueError(f"LLaDA config field {field}=true is not supported by the DLM architecture")
-    if not source.get("rope", True):
-        raise ValueError("LLaDA config field rope=false is not supported (the DLM uses RoPE)")
-    if source.get("block_group_size", 1) != 1:
-        raise ValueError("LLaDA config field block_group_size != 1 is not supported")
-    d_model, n_heads = source["d_model"], source["n_heads"]
-    n_kv_heads = source.get("n_kv_heads") or (1 if source.get("multi_query_attention") else n_heads)
-    hidden = source.get("mlp_hidden_size") or source["mlp_ratio"] * d_model
-    options = {
-        "vocab_size": source.get("embedding_size") or source["vocab_size"],
-        "hidden_size": d_model,
-        "intermediate_size": hidden,
-        "num_hidden_layers": source["n_layers"],
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv_heads,
-        "head_dim": d_model // n_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": source.get("max_sequence_length", 4096),
-        "rms_norm_eps": source.get("rms_norm_eps", 1e-5),
-        "tie_word_embeddings": bool(source.get("weight_tying", False)),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(source.get("rope_theta", 10000.0))},
-        "qkv_bias": bool(source.get("include_qkv_bias", False)),
-        "attention_mode": "bidirectional",
-        "label_alignment": "same",
-    }
+    """LLaDA (OLMo-derived `LLaDAConfig`): read through the native family's config
+    (`hf_dlm.modeling.families.LLaDAConfig`), which refuses by name every variant the DLM architecture cannot
+    run (only the released `block_type="llama"`, RMSNorm, SiLU, RoPE layout loads)."""
+    from ..modeling.families import LLaDAConfig
+
+    config = LLaDAConfig(**{k: v for k, v in source.items() if k not in ("model_type", "architectures", "auto_map")})
+    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+             "tie_word_embeddings", "rope_parameters", "qkv_bias", "attention_mode", "label_alignment")
+    options = {name: getattr(config, name) for name in names}
     for name in ("mask_token_id", "pad_token_id", "eos_token_id", "bos_token_id"):
         if source.get(name) is not None:
             options[name] = source[name]

@@ -27,13 +27,30 @@ def _corpus_data(options: dict, model_options: dict) -> dict:
     train_ids, train_positions = windows(train_docs)
     eval_ids, eval_positions = windows(heldout_docs)
     eval_windows = options.get("eval_windows", 32)
-    model_options.update(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    _take_corpus_ids(tokenizer, model_options)
     packed = options.get("packed_positions", True)  # evaluation attends like training
     return {"train": TokenWindowDataset(train_ids, train_positions if packed else None),
             "eval": TokenWindowDataset(eval_ids[:eval_windows], eval_positions[:eval_windows] if packed else None)
             if eval_windows else None,
             "tokenizer": tokenizer}
+
+
+def _take_corpus_ids(tokenizer, model_options: dict) -> None:
+    """The corpus tokenizer is trained here, so its ids are the model's. An id the config sets explicitly must
+    agree (never replaced silently); a larger vocab_size is kept (spare rows), a smaller one is refused."""
+    ids = {"mask_token_id": tokenizer.mask_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    for name, value in ids.items():
+        given = model_options.get(name)
+        if given is not None and given != value:
+            raise ConfigError(f"model.config.{name} = {given!r}, but the corpus tokenizer's {name} is {value}: "
+                              f"remove model.config.{name} (or set it to {value})", field=f"model.config.{name}",
+                              value=given)
+    vocab = model_options.get("vocab_size")
+    if vocab is not None and vocab < len(tokenizer):
+        raise ConfigError(f"model.config.vocab_size = {vocab!r} is smaller than the corpus tokenizer's {len(tokenizer)} "
+                          "tokens: remove it (or raise it)", field="model.config.vocab_size", value=vocab)
+    model_options.update(ids, vocab_size=max(vocab or 0, len(tokenizer)))
 
 
 def _random_data(options: dict, model_options: dict) -> dict:
@@ -170,7 +187,7 @@ def build_data(data: dict, model_options: dict, path: str = "config") -> dict:
     try:
         return DATA_BUILDERS[kind](data, model_options)
     except ConfigError as error:
-        raise ConfigError(f"{path}: {error}") from None
+        raise error.with_prefix(path) from None
 
 
 __all__ = ["DATA_BUILDERS", "register_data_builder", "build_data"]

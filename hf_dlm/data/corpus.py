@@ -3,17 +3,29 @@
 Sources: the language reference topics of `pydoc_data.topics` (the text behind `help("if")`) and the
 docstrings of the standard library's source files, read with `ast` (nothing is imported or run).
 The result depends only on the Python version, so the quickstart needs no network.
+`prose_paragraphs` keeps the running text of a document (no code, tables or reST markup, lines joined)
+and `cached_prose_corpus` builds the quickstart's tokenizer and token ids once per Python version.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
+import re
+import sys
 import sysconfig
 import warnings
 
 SPECIAL_TOKENS = {"pad_token": "<|pad|>", "eos_token": "<|endoftext|>", "mask_token": "<|mask|>"}
+# a plain "Role: text" chat template, so `apply_chat_template` works on the quickstart model (its corpus is
+# prose, so the roles are words it has seen)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+_CORPUS_FORMAT = 1  # bump when prose_paragraphs or the tokenizer recipe changes: invalidates the cache
 
 
 def stdlib_documents(max_files: int | None = None, min_chars: int = 200) -> list[str]:
@@ -67,3 +79,76 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int = 2048):
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
+
+
+def prose_paragraphs(doc: str, min_chars: int = 80, min_letter_share: float = 0.93) -> list[str]:
+    """The running-text paragraphs of one document, each on one line.
+
+    Docstrings and reference topics mix prose with indented code, doctests, tables and reST underlines;
+    a small model trained on all of it samples mostly newlines and punctuation. Kept: blank-line
+    separated paragraphs with no indented line and no doctest, at least `min_letter_share` letters,
+    spaces and ",.'" and `min_chars` long; their lines are joined with single spaces.
+    """
+    kept = []
+    for paragraph in re.split(r"\n\s*\n", doc):
+        lines = paragraph.split("\n")
+        if any(line[:1].isspace() for line in lines) or ">>>" in paragraph:
+            continue
+        text = " ".join(line.strip() for line in lines)
+        if len(text) < min_chars:
+            continue
+        if sum(ch.isalpha() or ch in " ,.'" for ch in text) / len(text) >= min_letter_share:
+            kept.append(text)
+    return kept
+
+
+def default_cache_dir() -> str:
+    """`$HF_DLM_CACHE`, else `$XDG_CACHE_HOME/hf_dlm`, else `~/.cache/hf_dlm`."""
+    if os.environ.get("HF_DLM_CACHE"):
+        return os.environ["HF_DLM_CACHE"]
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hf_dlm")
+
+
+def cached_prose_corpus(vocab_size: int, cache_dir: str | None = None, max_files: int | None = None) -> dict:
+    """The quickstart corpus: prose of the standard library split by document, a BPE tokenizer trained on
+    the train part, and both parts' token ids (one list per paragraph).
+
+    Reading the standard library takes ~30 s on a busy 2-core machine and training the tokenizer a few
+    more, so the result is kept under `cache_dir` (default `default_cache_dir()`), keyed by Python version,
+    vocabulary size, file limit and corpus format; a cache that cannot be read is rebuilt.
+    Returns {"tokenizer", "train_ids", "heldout_ids", "words" (the set of train words), "cached"}.
+    """
+    from transformers import AutoTokenizer
+
+    key = f"py{sys.version_info[0]}.{sys.version_info[1]}-v{vocab_size}-f{max_files}-c{_CORPUS_FORMAT}"
+    directory = os.path.join(cache_dir or default_cache_dir(), "prose_corpus", key)
+    ids_path = os.path.join(directory, "ids.json")
+    try:
+        with open(ids_path) as f:
+            data = json.load(f)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        return {"tokenizer": tokenizer, "train_ids": data["train"], "heldout_ids": data["heldout"],
+                "words": set(data["words"]), "cached": True}
+    except (OSError, ValueError, KeyError):
+        pass  # not built yet (or unreadable): build it
+    train_docs, heldout_docs = split_documents(stdlib_documents(max_files=max_files))
+    train = [p for doc in train_docs for p in prose_paragraphs(doc)]
+    heldout = [p for doc in heldout_docs for p in prose_paragraphs(doc)]
+    tokenizer = train_bpe_tokenizer(train, vocab_size)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    data = {"train": encode(train), "heldout": encode(heldout),
+            "words": sorted({w for p in train for w in corpus_words(p)})}
+    os.makedirs(directory, exist_ok=True)
+    tokenizer.save_pretrained(directory)
+    staged = ids_path + ".tmp"
+    with open(staged, "w") as f:
+        json.dump(data, f)
+    os.replace(staged, ids_path)  # written last and atomically: a half-written cache is never read
+    return {"tokenizer": tokenizer, "train_ids": data["train"], "heldout_ids": data["heldout"],
+            "words": set(data["words"]), "cached": False}
+
+
+def corpus_words(text: str) -> list[str]:
+    """Lower-cased alphabetic words of a text (what "made of corpus words" counts)."""
+    return re.findall(r"[a-z]+", text.lower())

@@ -43,13 +43,15 @@ class DLMEvalHarness(LM):
                  seed: int = 1234, max_length: int | None = None, max_gen_toks: int = 128, block_length: int = 32,
                  steps: int | None = None, threshold: float | None = None, temperature: float = 0.0,
                  remasking: str | None = None, cache: str | None = None, greedy_check: str = "one_forward",
-                 subs: bool | str = False, **unused):
+                 subs: bool | str = False, factor: float | None = None, entropy_bound: float | None = None,
+                 editing_threshold: float | None = None, compile=None, **unused):
         """pretrained: checkpoint folder (or pass `model` and `tokenizer` objects); peft: a LoRA adapter folder;
         mc_num: ELBO draws per request (LLaDA uses 128); steps: sampler steps for generate_until (default:
         one token per step); greedy_check: "one_forward" (default) or "iterative" (LLaDA's
         suffix_greedy_prediction), see the module docstring; subs: the model was trained with the objective's
         subs=True (the `mdlm` preset): [MASK] is removed from the softmax when scoring; remaining generation
-        knobs as in `model.generate`."""
+        knobs as in `model.generate` (generate_until runs the decoding core's engine: factor / entropy_bound /
+        editing_threshold commit rules, compile for its compiled step)."""
         super().__init__()
         if unused:
             raise TypeError(f"hf-dlm lm-eval model: unknown model_args {sorted(unused)}")
@@ -78,6 +80,9 @@ class DLMEvalHarness(LM):
         self.steps = None if steps is None else int(steps)
         self.threshold = None if threshold is None else float(threshold)
         self.temperature, self.remasking, self.cache = float(temperature), remasking, cache
+        self.rules = {name: None if value is None else float(value) for name, value in
+                      (("factor", factor), ("entropy_bound", entropy_bound), ("editing_threshold", editing_threshold))}
+        self.compile = {"true": True, "false": None, "none": None}.get(str(compile).lower(), compile)
         self.max_batch_size = int(max_batch_size or self.batch_size)
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
         self.prefix_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
@@ -142,7 +147,7 @@ class DLMEvalHarness(LM):
     # ---- generation ------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         engine = ContinuousBatchingEngine(self.model, max_batch_size=self.max_batch_size, max_waiting=len(requests),
-                                          eos_token_id=self.tokenizer.eos_token_id)
+                                          eos_token_id=self.tokenizer.eos_token_id, compile=self.compile)
         jobs = []
         for request in requests:
             context, gen_kwargs = request.args
@@ -160,7 +165,7 @@ class DLMEvalHarness(LM):
                 max_new_tokens=canvas, block_length=block_length,
                 steps=self.steps or canvas, temperature=temperature, top_p=gen_kwargs.pop("top_p", None),
                 top_k=gen_kwargs.pop("top_k", None), threshold=self.threshold, remasking=self.remasking,
-                cache=self.cache,
+                cache=self.cache, **self.rules,
                 seed=self._request_seed(ids, until))
             if gen_kwargs:
                 raise ValueError(f"hf-dlm generate_until: unsupported gen_kwargs {sorted(gen_kwargs)} "

@@ -5,9 +5,9 @@ from __future__ import annotations
 from transformers import GenerationConfig
 
 from ..utils.errors import FieldError
+from .commit_rules import COUNT_RULES, REMASKING
 from .compiled_step import COMPILE_CHOICES
 
-REMASKING = ("low_confidence", "random", "margin", "entropy")
 CACHE_MODES = ("none", "prefix", "dual")
 
 # field -> (default, help); kept in one table so the CLI and the docs read the same text
@@ -18,6 +18,14 @@ DLM_GENERATION_FIELDS = {
     "cfg_scale": (0.0, "classifier-free guidance: un + (s + 1) * (cond - un), the prompt masked for un"),
     "threshold": (None, "Fast-dLLM parallel decoding: commit every masked token of the block whose confidence "
                   "is >= threshold (at least the most confident one) until the block is done; steps is then ignored"),
+    "factor": (None, "Fast-dLLM's factor rule (get_transfer_index_dynamic): commit the longest prefix of the block's "
+               "masks sorted by confidence whose i-th (from 1) is >= 1 - factor / (i + 1), at least one; steps ignored"),
+    "entropy_bound": (None, "entropy-bounded sampler (arXiv 2505.24857): commit the k lowest-entropy masks of the block "
+                      "whose entropies, less the largest, sum to <= entropy_bound (at least one); steps ignored"),
+    "editing_threshold": (None, "LLaDA2.1 token editing, beside threshold: each step also replaces committed tokens of "
+                          "the current block whose new prediction differs with probability > editing_threshold; a block "
+                          "ends at a mask-free step without edits or after max_post_steps mask-free steps"),
+    "max_post_steps": (16, "token editing: mask-free forwards a block may take at most (LLaDA2.1's max_post_steps)"),
     "cache": ("none", f"KV cache, one of {CACHE_MODES}; approximate for bidirectional models (Fast-dLLM), "
               "exact for attention_mode='block' models (prefix and dual mean the same there)"),
     "stop_on_eos": (False, "opt-in early stop (changes outputs against LLaDA's reference sampler, which the default "
@@ -111,6 +119,22 @@ class DLMGenerationConfig(GenerationConfig):
             fail("compile", f"a bool or one of {tuple(COMPILE_CHOICES)}")
         if self.threshold is not None and not 0.0 <= float(self.threshold) <= 1.0:
             fail("threshold", "in [0, 1]")
+        if self.factor is not None and not float(self.factor) > 0:
+            fail("factor", "> 0")
+        if self.entropy_bound is not None and not float(self.entropy_bound) >= 0:
+            fail("entropy_bound", ">= 0")
+        count_rules = [name for name in COUNT_RULES if getattr(self, name) is not None]
+        if len(count_rules) > 1:
+            raise FieldError(count_rules[1], f"DLMGenerationConfig: {' and '.join(count_rules)} each decide how many "
+                             "tokens a step commits; set one of them", getattr(self, count_rules[1]))
+        if self.editing_threshold is not None:
+            if not 0.0 <= float(self.editing_threshold) <= 1.0:
+                fail("editing_threshold", "in [0, 1]")
+            if self.threshold is None:
+                fail("editing_threshold", "used beside threshold (LLaDA2.1: threshold for masks, editing_threshold "
+                     "for committed tokens); set threshold too or")
+        if not isinstance(self.max_post_steps, int) or isinstance(self.max_post_steps, bool) or self.max_post_steps < 1:
+            fail("max_post_steps", "an integer >= 1")
         for name in ("steps", "block_length", "max_new_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -131,4 +155,4 @@ class DLMGenerationConfig(GenerationConfig):
                              "do_sample=True (greedy decoding would return identical copies), as in transformers")
 
 
-__all__ = ["DLMGenerationConfig", "DLM_GENERATION_FIELDS", "UNSUPPORTED"]
+__all__ = ["DLMGenerationConfig", "DLM_GENERATION_FIELDS", "REMASKING", "UNSUPPORTED"]

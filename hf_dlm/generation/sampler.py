@@ -44,8 +44,8 @@ from transformers.utils import ModelOutput
 from .cache import DLMKVCache
 from .compiled_step import MAX_COMPILED_GRAPHS, StepGraphs, compiled_forward, resolve_compile, static_forward
 from .configuration import DLM_GENERATION_FIELDS, EXTRA_GENERATE_KWARGS, DLMGenerationConfig
-from .sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
-                                  num_transfer_tokens, select_commits)
+from .commit_rules import CommitSettings, decide_step
+from .sampling import finished_rows, num_transfer_tokens
 
 
 @dataclass
@@ -321,6 +321,9 @@ class DiffusionSampler:
             streamer.put(input_ids.cpu())
         streamed, step_count, query_floor = 0, 0, 0
         done = torch.zeros(batch, dtype=torch.bool, device=device)
+        settings = CommitSettings.from_config(cfg)
+        parallel = settings.count_rule != "budget"  # the rule decides how many: the block runs until it is done
+        editing = settings.editing_threshold is not None
 
         for block in range(num_blocks):
             start, end = prompt_len + block * block_length, prompt_len + (block + 1) * block_length
@@ -334,18 +337,22 @@ class DiffusionSampler:
                 block_end = pads + (torch.div(end - 1 - pads, size, rounding_mode="floor") + 1) * size
                 query_lo, key_end = int(block_start.min()), min(total, int(block_end.max()))
             step = 0
-            while cfg.threshold is not None or step < steps_per_block:
+            if editing:  # LLaDA2.1: a block ends at a mask-free step without edits, or after max_post_steps of them
+                settled = torch.zeros_like(done)
+                post_steps = torch.zeros(batch, dtype=torch.long, device=device)
+            while parallel or step < steps_per_block:
                 # rows with something to commit in this block; the others leave the forward batch
-                if cfg.threshold is None:
+                if not parallel:
                     active = ~done & (budget[:, step] > 0)
                 else:
-                    active = ~done & canvas[:, window[0] : end].eq(mask_id).any(1)
+                    has_masks = canvas[:, window[0] : end].eq(mask_id).any(1)
+                    active = ~done & (has_masks | ~settled if editing else has_masks)
                 if self.compiled is not None:  # static shapes: every row goes through the forward
                     rows = None if bool(active.any()) else active.new_zeros(0)  # the step's one host sync
                 else:
                     rows = active.nonzero().squeeze(1)  # the step's one host sync
                 if rows is not None and rows.numel() == 0:
-                    if cfg.threshold is not None:
+                    if parallel:
                         break
                     step += 1  # budget exhausted for every row: LLaDA's step commits nothing
                     continue
@@ -363,18 +370,26 @@ class DiffusionSampler:
                 if rows is None:  # compiled: every row; rows with nothing to commit stay as they are
                     rows = slice(None)
                 current = canvas[rows, window[0] : window[1]]
-                # the mask token is never a candidate (an untrained model may rank it first: no progress)
-                candidates = filter_logits(logits.index_fill(-1, self.mask_index, -torch.inf), cfg.top_k, cfg.top_p)
-                noisy = add_gumbel_noise(candidates, cfg.sampling_temperature, self.generator)
-                x0 = noisy.argmax(-1)
-                confidence = confidence_scores(logits, x0, cfg.remasking, self.generator)
-                confidence[:, end - window[0] :] = -torch.inf  # confined to the current block
-                confidence = confidence.masked_fill(current.ne(mask_id), -torch.inf)
-                step_budget = None if cfg.threshold is not None else budget[rows, step]
-                commit = select_commits(confidence, step_budget, cfg.threshold)
+                candidates = current.eq(mask_id)
+                candidates[:, end - window[0] :] = False  # confined to the current block
+                editable = None
+                if editing:  # committed tokens of the current block (never the prompt: the block starts after it)
+                    editable = ~candidates
+                    editable[:, : start - window[0]] = False
+                row_budget = None if parallel else budget[rows, step]
+                tokens, edited = decide_step(logits, current, candidates, settings, row_budget, self.generator, editable,
+                                             self.mask_index)
                 if isinstance(rows, slice):
-                    commit &= active.unsqueeze(1)
-                canvas[rows, window[0] : window[1]] = torch.where(commit, x0, current)
+                    tokens = torch.where(active.unsqueeze(1), tokens, current)
+                canvas[rows, window[0] : window[1]] = tokens
+                if editing:
+                    began_free = torch.zeros_like(done)
+                    began_free[rows] = ~candidates.any(1)
+                    began_free &= active
+                    post_steps += began_free.long()
+                    row_edited = torch.zeros_like(done)
+                    row_edited[rows] = edited
+                    settled |= began_free & (~row_edited | (post_steps >= cfg.max_post_steps))
                 step, step_count = step + 1, step_count + 1
                 if callback is not None:
                     callback(canvas=canvas, step=step_count, block=block)

@@ -55,20 +55,6 @@ def confidence_scores(logits: torch.Tensor, x0: torch.Tensor, remasking: str, ge
     return (log_p.exp() * log_p).sum(-1)  # "entropy": minus the entropy, so low entropy commits first
 
 
-def select_commits(confidence: torch.Tensor, budget: torch.Tensor | None, threshold: float | None) -> torch.Tensor:
-    """Which positions to commit. confidence (B, W), -inf where not allowed. budget (B,): commit the
-    `budget` most confident (LLaDA); threshold: commit every position with confidence >= threshold
-    plus the most confident one (Fast-dLLM). -> (B, W) bool."""
-    allowed = torch.isfinite(confidence)
-    if threshold is not None:
-        best = torch.zeros_like(allowed).scatter_(1, confidence.argmax(-1, keepdim=True), True)
-        return ((confidence >= threshold) | best) & allowed
-    # rank every position (no host sync on the budget's maximum); ties go to the lower index
-    index = confidence.sort(dim=-1, descending=True, stable=True).indices
-    rank_ok = torch.arange(index.shape[1], device=budget.device).unsqueeze(0) < budget.unsqueeze(1)
-    return torch.zeros_like(allowed).scatter_(1, index, rank_ok) & allowed
-
-
 def finished_rows(block_tokens: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
     """(B, W) decoded block -> (B,) bool: the block ends in EOS and everything after its first EOS is EOS
     (LLaDA-style models pad the answer with EOS, so the rest of the row is EOS too)."""

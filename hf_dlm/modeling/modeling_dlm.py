@@ -157,6 +157,9 @@ class DLMAttention(nn.Module):
         query, key = apply_partial_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
         if kv_cache is not None:  # sampler cache (generation_cache.DLMKVCache): splice in the cached keys
             key, value = kv_cache.update(self.layer_idx, key, value)
+            if getattr(kv_cache, "attends", False):  # the engine's ragged rows (generation/slot_cache.py)
+                output = kv_cache.attention(self, query, key, value)
+                return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
 
         implementation = self.config._attn_implementation or "eager"
         if type(attention_mask).__name__ == "BlockMask":  # structured mask on CUDA (masks.document_attention_implementation)
@@ -256,6 +259,12 @@ class DLMPreTrainedModel(PreTrainedModel):
         elif isinstance(module, DLMSparseMoeBlock) and module.expert_bias is not None:
             init.zeros_(module.expert_bias)
             init.zeros_(module.tokens_per_expert)  # non-persistent: a load leaves it uninitialised
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """What transformers' property reports (any layer checkpointing), without the FutureWarning transformers
+        >= 5.24 attaches to the old name: trl (rollout unwrapping) and peft still read it on every step."""
+        return any(getattr(module, "gradient_checkpointing", False) for module in self.modules())
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save, plus self-contained remote code, `auto_map` and a model card

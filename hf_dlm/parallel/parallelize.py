@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..utils.transformers_compat import activation_checkpointing_requested
 from .float8 import convert_to_float8
 from .tensor_parallel import apply_tensor_parallel
 
@@ -108,7 +109,7 @@ class ParallelOptions:
                       compile=args.compile_blocks)
         if dims is None:
             return options
-        return options.with_dims(dims, activation_checkpointing=args.gradient_checkpointing,
+        return options.with_dims(dims, activation_checkpointing=activation_checkpointing_requested(args),
                                  cp_backend=args.cp_backend, gradient_divide_factor=dims.loss_parallel_size)
 
     def with_dims(self, dims, **fields) -> "ParallelOptions":

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..utils.transformers_compat import hand_activation_checkpointing_over
 from .mesh import ParallelDims, build_parallel_dims
 
 DCP_DIR = "dcp"
@@ -86,7 +87,7 @@ def setup_parallel_training(model, args) -> ParallelTraining | None:
     model.to(device)
     parallelize_dlm(model, ParallelOptions.from_args(args, dims))
     # checkpointing is applied above, non-reentrant; the Trainer would re-enable it with its own defaults
-    args.gradient_checkpointing = False
+    hand_activation_checkpointing_over(args)  # both spellings: transformers >= 5.24 reads only the new one
     args.parallelism_config = None  # the layout is applied here: accelerate must not apply its own
     return ParallelTraining(dims)
 

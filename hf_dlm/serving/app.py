@@ -7,8 +7,8 @@ cannot take, 404 `model_not_found` for a model name not in /v1/models, 422 for s
 the API key, 429 when the queue is full, 500 when a request's own row fails, 503 while draining or after
 the engine stopped.
 
-No request can break the server: every field is checked before the request is queued (types, ranges,
-seeds, the model's positions and vocabulary), a row that fails answers its own request with an error,
+No request can break the server: every field is checked before the request is queued (protocol.py: types
+and ranges; validation.py: seeds, the model's positions and vocabulary, the server's limits), a row that fails answers its own request with an error,
 an engine thread that dies fails the open requests with 503 and turns /health to 503, and SIGTERM drains
 for at most `drain_timeout` seconds before the requests still open are answered 503 (`serve`).
 """
@@ -27,14 +27,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..utils.errors import FieldError
 from .engine import ContinuousBatchingEngine, EngineStoppedError, GenerationRequest, QueueFullError, decode_answer
-from .protocol import DLM_TO_OPENAI, MAX_SEED, ChatCompletionRequest, CompletionRequest, error_param
-
-NO_CHAT_TEMPLATE = ("this model's tokenizer has no chat template: start the server with `--chat-template FILE`, "
-                    "or save a template with the tokenizer (`tokenizer.chat_template = ...; "
-                    "tokenizer.save_pretrained(path)`), or send a plain prompt to /v1/completions")
-
+from .protocol import ChatCompletionRequest, CompletionRequest, error_param
+from .validation import APIError, RequestChecker, refused
 
 @dataclass
 class ServerSettings:
@@ -44,6 +39,7 @@ class ServerSettings:
     max_output_tokens: int = 1024  # larger max_tokens: 400
     default_max_tokens: int = 64  # max_tokens of a request without one
     max_sequences: int = 64  # most sequences (prompts x n) in one request
+    max_body_bytes: int = 4 * 2**20  # larger request bodies: 413, unread
     api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>` (else 401)
     drain_timeout: float = 30.0  # SIGTERM: seconds open requests may still run before they are answered 503
     chat_template: str | None = None  # a Jinja chat template used instead of the tokenizer's own
@@ -51,16 +47,6 @@ class ServerSettings:
     @property
     def model_names(self) -> tuple[str, ...]:
         return (self.model_name, *(a for a in self.aliases if a != self.model_name))
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def _error_response(status: int, message: str, param: str | None, kind: str, code: str | None = None):
@@ -136,103 +122,9 @@ class DLMServer:
         self.engine_failure: str | None = None  # set once the engine thread has stopped on its own
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's event loop, set at startup
-        config = getattr(engine.model, "config", None)
-        self.max_positions = getattr(config, "max_position_embeddings", None)
-        self.vocab_size = getattr(config, "vocab_size", None) or len(tokenizer)
+        self.check = RequestChecker(engine, tokenizer, settings)
 
     # ---- request -> engine requests ------------------------------------------------------------
-    def check_model(self, body):
-        if body.model is not None and body.model not in self.settings.model_names:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
-                           f"{list(self.settings.model_names)} (GET /v1/models)", "model", "invalid_request_error",
-                           "model_not_found")
-
-    def _tokenize(self, text: str, param: str, **options) -> list[int]:
-        try:
-            return list(self.tokenizer(text, **options)["input_ids"])
-        except Exception as error:  # noqa: BLE001 (e.g. a lone UTF-16 surrogate, which JSON allows and UTF-8 not)
-            raise APIError(400, f"{param}: the tokenizer cannot encode this text ({type(error).__name__}: {error})",
-                           param) from None
-
-    def prompts(self, body) -> list[list[int]]:
-        limit = self.settings.max_prompt_tokens
-        if isinstance(body, ChatCompletionRequest):
-            template = self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
-            if not template:
-                raise APIError(400, NO_CHAT_TEMPLATE, "messages")
-            try:
-                text = self.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
-                                                          chat_template=template, tokenize=False,
-                                                          add_generation_prompt=True)
-            except Exception as error:  # noqa: BLE001 (templates raise on role orders they do not support)
-                raise APIError(400, f"messages: the chat template refused them ({error})", "messages") from None
-            prompts, param = [self._tokenize(text, "messages", add_special_tokens=False)], "messages"
-        elif isinstance(body.prompt, str):
-            prompts, param = [self._tokenize(body.prompt, "prompt")], "prompt"
-        elif not body.prompt:
-            raise APIError(400, "prompt: the list is empty (give a text, texts or token ids)", "prompt")
-        elif isinstance(body.prompt[0], int):
-            if any(t < 0 or t >= self.vocab_size for t in body.prompt):
-                raise APIError(400, f"prompt token ids must lie in [0, {self.vocab_size})", "prompt")
-            prompts, param = [list(body.prompt)], "prompt"
-        else:
-            prompts, param = [self._tokenize(p, "prompt") for p in body.prompt], "prompt"
-        for ids in prompts:
-            if not ids:
-                raise APIError(400, "the prompt is empty", param)
-            if len(ids) > limit:
-                raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limit}", param)
-        return prompts
-
-    def choices(self, body, loop) -> list[_Choice]:
-        self.check_model(body)
-        max_tokens = body.max_tokens or self.settings.default_max_tokens
-        if max_tokens > self.settings.max_output_tokens:
-            raise APIError(400, f"max_tokens={max_tokens} exceeds this server's limit of "
-                           f"{self.settings.max_output_tokens}", "max_tokens")
-        if len(body.stop_list()) > 4:
-            raise APIError(400, "at most 4 stop sequences", "stop")
-        if body.seed is not None and body.seed + body.n - 1 > MAX_SEED:
-            raise APIError(400, f"seed: choice i uses seed + i, so seed + n - 1 must be <= {MAX_SEED}", "seed")
-        if body.top_k is not None and body.top_k > self.vocab_size:
-            raise APIError(400, f"top_k={body.top_k} exceeds the vocabulary ({self.vocab_size} tokens)", "top_k")
-        prompts = self.prompts(body)
-        if len(prompts) * body.n > self.settings.max_sequences:
-            raise APIError(400, f"{len(prompts)} prompts x n={body.n} sequences exceed this server's limit of "
-                           f"{self.settings.max_sequences} per request; split the request",
-                           "n" if body.n > 1 else "prompt")
-        defaults = getattr(self.engine.model, "generation_config", None)
-        block_length = body.block_length or min(getattr(defaults, "block_length", None) or max_tokens, max_tokens)
-        canvas = -(-max_tokens // block_length) * block_length  # whole blocks; the answer is cut at max_tokens
-        if canvas > self.settings.max_output_tokens:
-            raise APIError(400, f"block_length={block_length} rounds max_tokens={max_tokens} up to {canvas} tokens, "
-                           f"over this server's limit of {self.settings.max_output_tokens}", "block_length")
-        if body.steps is not None and body.steps > canvas:
-            # more steps than tokens only adds steps that commit nothing (LLaDA's budgets), at the price of forwards
-            raise APIError(400, f"steps={body.steps} exceeds the {canvas} tokens to decode (at most one step per "
-                           "token)", "steps")
-        longest = max(len(ids) for ids in prompts)
-        if self.max_positions is not None and longest + canvas > self.max_positions:
-            if longest >= self.max_positions:
-                param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-            else:  # max_tokens itself, or max_tokens rounded up to whole blocks
-                param = "max_tokens" if longest + max_tokens > self.max_positions else "block_length"
-            raise APIError(400, f"the prompt ({longest} tokens) + {canvas} new tokens (max_tokens={max_tokens} in "
-                           f"blocks of {block_length}) exceed the model's {self.max_positions} positions", param)
-        overrides = {**body.generation_overrides(), "max_new_tokens": canvas, "block_length": block_length,
-                     "steps": body.steps or canvas}
-        choices = []
-        for p, ids in enumerate(prompts):
-            for i in range(body.n):
-                try:
-                    params = self.engine.sampling_params(**overrides, seed=None if body.seed is None else body.seed + i)
-                except FieldError as error:
-                    raise APIError(400, str(error), DLM_TO_OPENAI.get(error.field, error.field)) from None
-                except ValueError as error:
-                    raise APIError(400, str(error)) from None
-                choices.append(_Choice(self, ids, params, max_tokens, body.stop_list(), loop, p * body.n + i))
-        return choices
-
     # ---- responses -----------------------------------------------------------------------------
     def check_engine(self):
         if self.engine_failure is not None:
@@ -242,10 +134,15 @@ class DLMServer:
 
     async def handle(self, body, request: Request, chat: bool):
         self.check_engine()
-        loop = asyncio.get_running_loop()
-        choices = self.choices(body, loop)
+        # tokenizing and templating take a worker thread: a long prompt must not stall the other requests
+        loop, checked = asyncio.get_running_loop(), await asyncio.to_thread(self.check, body)
+        pairs = zip((ids for ids in checked.prompts for _ in range(body.n)), checked.params)
+        choices = [_Choice(self, ids, params, checked.max_tokens, body.stop_list(), loop, index)
+                   for index, (ids, params) in enumerate(pairs)]
         try:
             self.engine.submit([c.request for c in choices])
+        except ValueError as error:  # the engine's own refusals (its checks come after the server's)
+            raise refused(error) from None
         except QueueFullError as error:
             raise APIError(429, f"server busy: {error}; retry later", None, "rate_limit_error") from None
         except EngineStoppedError as error:
@@ -379,6 +276,8 @@ class DLMServer:
                stats["first_block_seconds_sum"])
         metric("hf_dlm_time_to_first_block_seconds_count", "counter", "sequences with a first block",
                stats["first_block_count"])
+        metric("hf_dlm_engine_up", "gauge", "0 once the engine thread stopped on its own (the server answers 503)",
+               int(self.engine_failure is None))
         metric("hf_dlm_api_requests_accepted_total", "counter", "API calls queued", self.accepted)
         metric("hf_dlm_api_requests_completed_total", "counter", "API calls answered in full", self.completed)
         for (path, status), count in sorted(self.http_status.items()):
@@ -414,10 +313,14 @@ def create_app(engine: ContinuousBatchingEngine, tokenizer, settings: ServerSett
 
     @app.middleware("http")
     async def check_key_and_count(request: Request, call_next):
-        key = server.settings.api_key
+        key, limit = server.settings.api_key, server.settings.max_body_bytes
+        size = request.headers.get("content-length", "0")
         if key and request.url.path.startswith("/v1/") and request.headers.get("authorization") != f"Bearer {key}":
             response = _error_response(401, "missing or wrong API key (Authorization: Bearer ...)", None,
                                        "authentication_error")
+        elif size.isdigit() and int(size) > limit:  # refused before the body is read and parsed
+            response = _error_response(413, f"the body has {size} bytes; this server takes at most {limit}", None,
+                                       "invalid_request_error")
         else:
             response = await call_next(request)
         server.http_status[(request.url.path, response.status_code)] += 1

@@ -1,26 +1,20 @@
-"""A continuous-batching engine for the diffusion sampler: many requests share each forward pass.
+"""A continuous-batching engine: the decoding core (`hf_dlm.generation`) with rows admitted and released
+between steps.
 
-Every request (row) carries its own canvas (prompt + masks), block schedule, sampling settings and
-random generator, exactly as `model.generate` would decode it alone. One `step()`:
-1. admits waiting rows into the running batch (up to `max_batch_size`); a row joins at its own block
-   boundary (the start of its first block), the running rows are not disturbed;
-2. runs ONE forward over every uncached row that has something to commit at this step, left-padded to
-   the longest canvas (the model derives positions from the attention mask, so padding shifts nothing),
-   and sends only each row's current block through the LM head (cached rows: one forward for those at
-   a block start, one for the windows of the others; a row with `cfg_scale` brings its unconditional copy);
-3. commits tokens per row with the sampler's own arithmetic (`generation/sampling.py`: LLaDA budgets,
-   float64 Gumbel-max, confidence, Fast-dLLM threshold);
-4. at a row's block boundary: reports the committed block (streaming), applies `stop_on_eos` and the
-   caller's stop check; a finished row leaves the batch at once.
+Every request (row) carries its own canvas, block schedule (`RowSchedule`), sampling settings and random
+generator, and decodes exactly as `model.generate` would decode it alone. One `step()`:
+1. releases cancelled rows (their lanes are free at once) and admits waiting rows up to `max_batch_size`
+   (each takes a lane of the preallocated per-slot storage, `SlotStorage`);
+2. runs ONE forward for every row with work, whatever its phase: uncached rows and cached rows at a block
+   start send their whole canvas (keys / values stored), cached rows mid-block their window, a row with
+   `cfg_scale` its unconditional copy beside it; the spans are packed (`RaggedStep`), only each row's block
+   goes through the LM head;
+3. commits with the core's rules (`generation.commit_rules.decide_step`), rows with equal settings together;
+4. at a row's block end (early departure: each row on its own schedule): streams the committed block
+   (`on_block`), applies `stop_on_eos` and the caller's stop check; a finished row frees its lanes.
 
-Why hand-written: `DiffusionSampler.run` decodes a fixed batch that starts together; a server needs
-rows that arrive and leave at different times with different settings, which no library offers for
-diffusion LMs. The per-row result equals `model.generate(prompt, generator=Generator().manual_seed(seed))`
-(cache='none'; tests/test_serving.py checks it).
-
-The `cache` knob: Fast-dLLM's prefix / dual caches of bidirectional models run per row (row_cache.py),
-with `model.generate(cache=...)`'s semantics (approximate, as Fast-dLLM's); for attention_mode
-'block' / 'causal' models the exact cache gives the uncached tokens, so those rows decode uncached.
+Why hand-written: a server needs rows that arrive and leave at different times with different settings,
+which no library offers for diffusion LMs.
 """
 
 from __future__ import annotations
@@ -36,10 +30,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generation.configuration import DLMGenerationConfig
-from ..generation.sampling import (add_gumbel_noise, confidence_scores, filter_logits, finished_rows,
-                                            num_transfer_tokens, select_commits)
+from ..generation.commit_rules import CommitSettings, decide_step
+from ..generation.compiled_step import COMPILE_CHOICES, MAX_COMPILED_GRAPHS, StepGraphs, resolve_compile
+from ..generation.row_schedule import RowSchedule
+from ..generation.sampling import finished_rows
+from ..generation.slot_cache import RaggedStep, SlotStorage, first_ragged_forward, ragged_forward
 from ..utils.errors import FieldError
-from .row_cache import cached_hidden_states
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +64,15 @@ class SamplingParams:
     seed: int | None = None
     cache: str = "none"  # "prefix" / "dual": Fast-dLLM's caches (bidirectional models)
     cfg_scale: float = 0.0  # classifier-free guidance: an unconditional copy (prompt masked) joins the forward
+    factor: float | None = None
+    entropy_bound: float | None = None
+    editing_threshold: float | None = None
+    max_post_steps: int = 16
+
+    @property
+    def settings(self) -> CommitSettings:
+        return CommitSettings(self.temperature, self.top_k or None, self.top_p, self.remasking, self.threshold,
+                              self.factor, self.entropy_bound, self.editing_threshold)
 
     @classmethod
     def from_generation_config(cls, generation_config, attention_mode: str = "bidirectional",
@@ -91,16 +96,15 @@ class SamplingParams:
                              f"({num_blocks})", steps)
         # the exact cache of 'block' / 'causal' models gives the uncached tokens: those rows run uncached
         cache = config.cache if attention_mode == "bidirectional" else "none"
-        if cache != "none" and attention_implementation not in ("eager", "sdpa"):
-            raise FieldError("cache", f"cache={cache!r} in the serving engine needs attn_implementation 'sdpa' or "
-                             f"'eager', not {attention_implementation!r}", cache)
         if config.cfg_scale and cache != "none":
             raise FieldError("cfg_scale", f"cfg_scale: the serving engine guides rows without a KV cache only "
                              f"(asked: {cache!r})", config.cfg_scale)
         return cls(max_new_tokens=new_tokens, block_length=block_length, steps=steps,
                    temperature=config.sampling_temperature, top_p=config.top_p, top_k=config.top_k,
                    threshold=config.threshold, remasking=config.remasking, stop_on_eos=config.stop_on_eos, seed=seed,
-                   cache=cache, cfg_scale=config.cfg_scale or 0.0)
+                   cache=cache, cfg_scale=config.cfg_scale or 0.0, factor=config.factor,
+                   entropy_bound=config.entropy_bound, editing_threshold=config.editing_threshold,
+                   max_post_steps=config.max_post_steps)
 
 
 @dataclass
@@ -141,64 +145,31 @@ def decode_answer(tokenizer, generated: list[int], eos_ids, stops: list[str], ma
 
 
 class _Row:
-    """A request's decoding state on the engine's device."""
+    """A request's decoding state: its lanes in the storage and its schedule."""
 
-    def __init__(self, request: GenerationRequest, mask_id: int, device: torch.device):
+    def __init__(self, request: GenerationRequest, lane: int, uncond_lane: int | None, shift: int,
+                 device: torch.device):
         params = request.params
-        self.request, self.params = request, params
+        self.request, self.params, self.lane, self.uncond_lane = request, params, lane, uncond_lane
         self.prompt_len = len(request.prompt_ids)
-        self.canvas = torch.tensor(request.prompt_ids + [mask_id] * params.max_new_tokens, device=device)
-        self.num_blocks = params.max_new_tokens // params.block_length
-        self.steps_per_block = params.steps // self.num_blocks
+        self.settings = params.settings
+        self.schedule = RowSchedule(self.prompt_len, params.max_new_tokens, params.block_length, params.steps,
+                                    self.settings, params.cache, params.max_post_steps, shift)
         self.generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
-        self.block, self.step = 0, 0
-        # at a block start every position of the block is masked: LLaDA's budget needs no device read
-        self.budget = num_transfer_tokens(torch.tensor([params.block_length]), self.steps_per_block)[0].tolist()
-        self.block_has_masks = True
-        self.kv: dict = {}  # cached rows: layer -> (keys, values) stored at the block start
 
     @property
-    def window(self) -> tuple[int, int]:
-        start = self.prompt_len + self.block * self.params.block_length
-        return start, start + self.params.block_length
-
-    def block_done(self) -> bool:
-        if self.params.threshold is not None:
-            return not self.block_has_masks
-        return self.step >= self.steps_per_block
-
-    def needs_forward(self) -> bool:
-        """False: LLaDA's step commits nothing for this row (its budget is 0), which costs no forward."""
-        if self.params.threshold is not None:
-            return True
-        if self.budget[self.step] > 0:
-            return True
-        self.step += 1
-        return False
-
-    def commit(self, logits: torch.Tensor, mask_id: int, mask_index: torch.Tensor):
-        """logits (W, V) of the current block -> commit this step's tokens (generate()'s arithmetic)."""
-        p = self.params
-        start, end = self.window
-        current = self.canvas[start:end].unsqueeze(0)  # (1, W)
-        logits = logits.unsqueeze(0)
-        candidates = filter_logits(logits.index_fill(-1, mask_index, -torch.inf), p.top_k, p.top_p)
-        x0 = add_gumbel_noise(candidates, p.temperature, self.generator).argmax(-1)
-        confidence = confidence_scores(logits, x0, p.remasking, self.generator)
-        confidence = confidence.masked_fill(current.ne(mask_id), -torch.inf)
-        budget = None if p.threshold is not None else torch.tensor([self.budget[self.step]], device=logits.device)
-        commit = select_commits(confidence, budget, p.threshold)
-        self.canvas[start:end] = torch.where(commit, x0, current)[0]
-        self.step += 1
-        if p.threshold is not None:
-            self.block_has_masks = bool(self.canvas[start:end].eq(mask_id).any())
+    def lanes(self) -> list[int]:
+        return [self.lane] if self.uncond_lane is None else [self.lane, self.uncond_lane]
 
 
 class ContinuousBatchingEngine:
     """Decodes `GenerationRequest`s with continuous batching. Use `submit` + `step` (synchronous), or
-    `start()` to run the loop on a background thread (the server), `shutdown()` to drain and stop."""
+    `start()` to run the loop on a background thread (the server), `cancel(request)` when its client is
+    gone, `shutdown()` to drain and stop."""
 
-    def __init__(self, model, max_batch_size: int = 32, max_waiting: int = 256, eos_token_id=None):
+    def __init__(self, model, max_batch_size: int = 32, max_waiting: int = 256, eos_token_id=None, compile=None):
+        """compile: as `DLMGenerationConfig.compile` (True, a torch.compile mode or backend): the step's forward
+        through torch.compile with dynamic sizes, on CUDA replayed as one CUDA graph per bucketed shape."""
         self.model = model
         self.device = next(model.parameters()).device
         self.mask_id = model.config.mask_token_id
@@ -206,20 +177,28 @@ class ContinuousBatchingEngine:
             raise ValueError("the serving engine needs model.config.mask_token_id")
         eos = eos_token_id if eos_token_id is not None else getattr(model.config, "eos_token_id", None)
         self.eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        self.eos_tensor = torch.tensor(self.eos_ids, device=self.device)
+        self.eos_tensor = torch.tensor(self.eos_ids, dtype=torch.long)
         self.mask_index = torch.tensor([self.mask_id], device=self.device)
         self.shift = int(getattr(model.config, "label_alignment", "same") == "shift")
         self.attention_mode = getattr(model.config, "attention_mode", "bidirectional")
+        self.block_size = getattr(model.config, "block_size", None) if self.attention_mode == "block" else None
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.max_batch_size, self.max_waiting = max_batch_size, max_waiting
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[_Row] = []
+        self.storage = SlotStorage(self.device, self.mask_id)
+        self.free_lanes: list[int] = []
         self.lock = threading.Condition()
         self.stopping = False
         self.thread: threading.Thread | None = None
+        self.compile_choice = resolve_compile(compile, self.device)
+        self.compiled = None if self.compile_choice is None else torch.compile(
+            ragged_forward, dynamic=True, **COMPILE_CHOICES[self.compile_choice])
+        self.graphs, self.graphs_storage = None, None
         # counters read by /metrics
         self.stats = {"forward_passes": 0, "forward_rows": 0, "forward_tokens": 0, "max_forward_rows": 0,
-                      "requests_admitted": 0, "requests_finished": 0, "requests_failed": 0, "generated_tokens": 0,
-                      "first_block_seconds_sum": 0.0, "first_block_count": 0}
+                      "engine_steps": 0, "requests_admitted": 0, "requests_finished": 0, "requests_failed": 0,
+                      "generated_tokens": 0, "first_block_seconds_sum": 0.0, "first_block_count": 0}
 
     def sampling_params(self, **overrides) -> SamplingParams:
         implementation = getattr(self.model.config, "_attn_implementation", None) or "eager"
@@ -228,14 +207,29 @@ class ContinuousBatchingEngine:
 
     # ---- admission ----------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest]):
-        """Queue requests (all or none: the n choices of one API call). Raises QueueFullError when the
-        waiting queue would exceed `max_waiting`, EngineStoppedError while shutting down."""
+        """Queue requests (all or none: the n choices of one API call). Raises ValueError when a prompt plus its
+        max_new_tokens exceeds the model's positions, QueueFullError when the waiting queue would exceed
+        `max_waiting`, EngineStoppedError while shutting down."""
+        for request in requests:
+            length = len(request.prompt_ids) + request.params.max_new_tokens
+            if not request.prompt_ids:
+                raise FieldError("prompt", "the prompt is empty", request.prompt_ids)
+            if self.max_positions is not None and length > self.max_positions:
+                raise FieldError("max_new_tokens", f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
+                                 f"({request.params.max_new_tokens}) exceeds the model's max_position_embeddings "
+                                 f"({self.max_positions})", request.params.max_new_tokens)
         with self.lock:
             if self.stopping:
                 raise EngineStoppedError("the server is shutting down")
             if len(self.waiting) + len(requests) > self.max_waiting:
                 raise QueueFullError(f"the queue holds {len(self.waiting)} waiting requests (max {self.max_waiting})")
             self.waiting.extend(requests)
+            self.lock.notify()
+
+    def cancel(self, request: GenerationRequest):
+        """The caller is gone: the row leaves at the next step and its lanes are free for the next admission."""
+        request.cancelled = True
+        with self.lock:
             self.lock.notify()
 
     @property
@@ -249,47 +243,55 @@ class ContinuousBatchingEngine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _take_lane(self) -> int:
+        if self.free_lanes:
+            self.free_lanes.sort()
+            return self.free_lanes.pop(0)
+        used = {lane for row in self.running for lane in row.lanes}
+        return next(lane for lane in range(len(used) + 1) if lane not in used)
+
     def _admit(self):
         with self.lock:
             while self.waiting and len(self.running) < self.max_batch_size:
                 request = self.waiting.popleft()
-                self.stats["requests_admitted"] += 1  # a cancelled one leaves at once in step()
+                self.stats["requests_admitted"] += 1
+                if request.cancelled:
+                    self._done(request, "cancelled")
+                    continue
+                lane = self._take_lane()
                 try:
-                    row = _Row(request, self.mask_id, self.device)
+                    row = _Row(request, lane, None, self.shift, self.device)
                 except Exception as error:  # noqa: BLE001 (a request the engine cannot start fails alone)
+                    self.free_lanes.append(lane)
                     self._done(request, "error", error)
                     continue
                 self.running.append(row)
+                if request.params.cfg_scale:
+                    row.uncond_lane = self._take_lane()
+                length = row.schedule.length
+                self.storage.reserve(max(row.lanes) + 1, length)
+                canvas = request.prompt_ids + [self.mask_id] * request.params.max_new_tokens
+                self.storage.canvas[lane, :length] = torch.tensor(canvas, device=self.device)
 
     # ---- one scheduler iteration ---------------------------------------------------------------
     def step(self):
-        """Admit, one batched forward, commit, retire finished rows."""
-        self._admit()
+        """Release cancelled rows, admit, one forward for every row with work, commit, end blocks."""
         for row in [row for row in self.running if row.request.cancelled]:
             self._finish(row, "cancelled")
-        work = [row for row in self.running if not row.block_done() and row.needs_forward()]
-        # uncached rows share one forward; cached rows refresh their keys at a block start (one forward)
-        # and recompute only their window (dual: the block; prefix: the block and the rest) later on
-        groups = [([r for r in work if r.params.cache == "none"], self._block_logits),
-                  ([r for r in work if r.params.cache != "none" and r.step == 0], self._refresh_logits),
-                  ([r for r in work if r.params.cache != "none" and r.step > 0], self._window_logits)]
-        for rows, forward in groups:
-            if not rows:
-                continue
+        self._admit()
+        self.stats["engine_steps"] += 1
+        work = [row for row in self.running if not row.schedule.block_done() and row.schedule.needs_forward()]
+        if work:
             try:
-                logits = forward(rows)
+                logits = self._forward(work)
             except Exception as error:  # noqa: BLE001 (a failed forward fails its rows, not the server)
-                for row in rows:
+                for row in work:
                     self._finish(row, "error", error)
-                continue
-            for row, row_logits in zip(rows, logits):
-                try:
-                    row.commit(row_logits[: row.params.block_length], self.mask_id, self.mask_index)
-                except Exception as error:  # noqa: BLE001 (one row's failure is that row's alone)
-                    self._finish(row, "error", error)
+            else:
+                self._commit(work, logits)
         for row in list(self.running):
             try:
-                while row in self.running and row.block_done():
+                while row in self.running and row.schedule.block_done():
                     self._end_block(row)
             except Exception as error:  # noqa: BLE001 (a raising callback fails its own row)
                 self._finish(row, "error", error)
@@ -298,83 +300,115 @@ class ContinuousBatchingEngine:
         while self.has_work():
             self.step()
 
-    def _block_logits(self, rows: list[_Row]) -> torch.Tensor:
-        """One forward over `rows` (left-padded) -> logits (b, W_max, V) of each row's current block. A row with
-        `cfg_scale` adds its unconditional copy (prompt masked) to the same forward; its logits are guided,
-        uncond + (cfg_scale + 1) * (cond - uncond), as `model.generate(cfg_scale=...)` does."""
-        guided = [i for i, row in enumerate(rows) if row.params.cfg_scale]
-        unconditional = [rows[i].canvas.clone() for i in guided]
-        for i, canvas in zip(guided, unconditional):
-            canvas[: rows[i].prompt_len] = self.mask_id
-        logits = self._forward_blocks(rows + [rows[i] for i in guided], [row.canvas for row in rows] + unconditional)
-        if not guided:
+    def _forward(self, rows: list[_Row]) -> torch.Tensor:
+        """ONE forward over every row's query span (+ guided rows' unconditional copies) -> logits (b, W, V) of
+        each row's current block, guided where asked."""
+        entries = [(row, row.lane, False) for row in rows]
+        entries += [(row, row.uncond_lane, True) for row in rows if row.uncond_lane is not None]
+        spans = [row.schedule.query_span() for row, _, _ in entries]
+        compiled = self.compiled is not None and bool(self.storage.keys)  # the first forward allocates, eagerly
+        heads = [(row.schedule.window[0] - self.shift, row.params.block_length) for row, _, _ in entries]
+        step = RaggedStep(self.storage, [lane for _, lane, _ in entries], [s for s, _ in spans],
+                          [e - s for s, e in spans], [row.schedule.length for row, _, _ in entries],
+                          self.attention_mode, self.block_size, buckets=compiled, heads=heads,
+                          extra={"canvas_lanes": [row.lane for row, _, _ in entries],  # a copy reads its row's canvas
+                                 "masked_prompt": [row.prompt_len if copy else 0 for row, _, copy in entries]})
+        tensors = step.tensors
+        token_row = tensors["token_row"]
+        input_ids = self.storage.canvas[step.extra["canvas_lanes"][token_row], tensors["token_slot"]]
+        if len(entries) > len(rows):  # unconditional copies see their prompt masked
+            input_ids = input_ids.masked_fill(tensors["token_slot"] < step.extra["masked_prompt"][token_row],
+                                              self.mask_id)
+        tensors["input_ids"] = input_ids.unsqueeze(0)
+        if not compiled:
+            logits = first_ragged_forward(self.model, self.storage, **tensors) if not self.storage.keys else \
+                ragged_forward(self.model, **tensors, keys=self._layers(self.storage.keys),
+                               values=self._layers(self.storage.values))
+        else:
+            logits = self._compiled_forward(tensors)
+        logits = logits[: len(entries)]
+        self._count_forward(len(entries), step.num_tokens)
+        if len(entries) == len(rows):
             return logits
-        cond, uncond = logits[guided], logits[len(rows):]
+        cond, uncond = logits[: len(rows)].clone(), logits[len(rows):]
+        guided = [i for i, row in enumerate(rows) if row.uncond_lane is not None]
         scale = torch.tensor([rows[i].params.cfg_scale for i in guided], device=self.device, dtype=logits.dtype)
-        logits = logits[: len(rows)].clone()
-        logits[guided] = uncond + (scale.view(-1, 1, 1) + 1) * (cond - uncond)
-        return logits
+        cond[guided] = uncond + (scale.view(-1, 1, 1) + 1) * (cond[guided] - uncond)
+        return cond
 
-    def _forward_blocks(self, rows: list[_Row], canvases: list[torch.Tensor]) -> torch.Tensor:
-        """One forward over `canvases` (left-padded) -> logits (b, W_max, V) of each row's current block."""
-        input_ids = torch.nn.utils.rnn.pad_sequence(canvases, batch_first=True, padding_value=self.mask_id,
-                                                    padding_side="left")  # (b, L)
-        lengths = torch.tensor([c.numel() for c in canvases], device=self.device)
-        total = input_ids.shape[1]
-        attention_mask = (torch.arange(total, device=self.device) >= (total - lengths).unsqueeze(1)).long()
-        width = max(row.params.block_length for row in rows)
-        starts = torch.tensor([total - c.numel() + row.window[0] for row, c in zip(rows, canvases)], device=self.device)
-        # shifted models: the logits at i - 1 predict token i (a prompt is never empty, so i - 1 >= 0)
-        index = (starts.unsqueeze(1) + torch.arange(width, device=self.device) - self.shift).clamp(max=total - 1)
-        backbone, head = getattr(self.model, "model", None), getattr(self.model, "lm_head", None)
-        if isinstance(backbone, torch.nn.Module) and isinstance(head, torch.nn.Module):
-            hidden_states = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            picked = hidden_states.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden_states.shape[-1]))
-            logits = head(picked)  # (b, W_max, V): only the blocks go through the LM head
-        else:  # any module returning `.logits`
-            all_logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-            logits = all_logits.gather(1, index.unsqueeze(-1).expand(-1, -1, all_logits.shape[-1]))
-        self._count_forward(len(rows), input_ids.numel())
-        return logits
+    @staticmethod
+    def _layers(store: dict) -> list:
+        return [store[i] for i in range(len(store))]
+
+    def _compiled_forward(self, tensors: dict) -> torch.Tensor:
+        """The compiled step (one Inductor graph with dynamic sizes) and, on CUDA, a CUDA graph per bucketed shape
+        (`StepGraphs`, the sampler's graphs), captured against the current storage: a storage that grew (longer
+        canvas, more lanes) starts new graphs."""
+        storage = (self.storage.canvas.data_ptr(), tuple(self.storage.keys[0].shape))
+        if self.graphs is None or self.graphs_storage != storage:
+            self.graphs = StepGraphs(self.model, enabled=self.device.type == "cuda" and self.compile_choice != "eager")
+            self.graphs_storage = storage
+        keys, values = self._layers(self.storage.keys), self._layers(self.storage.values)
+        with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_GRAPHS):
+            return self.graphs(self.compiled, tensors, keys=keys, values=values)
+
+    def _commit(self, rows: list[_Row], logits: torch.Tensor):
+        """The core's commit rules, rows with equal settings (and no generator of their own) in one call."""
+        groups: dict = {}
+        for i, row in enumerate(rows):
+            key = (row.settings, i if row.generator is not None else None)
+            groups.setdefault(key, []).append(i)
+        results, order = [], []
+        for (settings, _), index in groups.items():
+            group = [rows[i] for i in index]
+            try:
+                results.append(self._commit_group(group, logits[index], settings))
+                order += index
+            except Exception as error:  # noqa: BLE001 (one group's failure is its rows' alone)
+                for row in group:
+                    self._finish(row, "error", error)
+        if not results:
+            return
+        flags = torch.cat(results).tolist()  # the step's one host sync
+        for i, (has_masks, began_with_masks, edited) in zip(order, flags):
+            rows[i].schedule.after_step(has_masks, began_with_masks, edited)
+
+    def _commit_group(self, group: list[_Row], logits: torch.Tensor, settings: CommitSettings) -> torch.Tensor:
+        """-> (g, 3) bool: has masks after the step, had masks before it, edited."""
+        # the group's own width: a seeded row draws its noise for its block only, as generate alone does
+        width = max(row.params.block_length for row in group)
+        columns = torch.arange(width, device=self.device)
+        budgets = [row.schedule.step_budget or 0 for row in group]
+        starts, lengths, lanes, budget = torch.tensor(  # one upload
+            [[row.schedule.window[0] for row in group], [row.params.block_length for row in group],
+             [row.lane for row in group], budgets]).to(self.device)
+        valid = columns.unsqueeze(0) < lengths.unsqueeze(1)  # (g, W): a shorter block's columns beyond it
+        cols = torch.where(valid, starts.unsqueeze(1) + columns, self.storage.trash)
+        lanes = lanes.unsqueeze(1)
+        current = self.storage.canvas[lanes, cols]
+        candidates = current.eq(self.mask_id) & valid
+        editable = ~candidates & valid if settings.editing_threshold is not None else None
+        if settings.count_rule != "budget":
+            budget = None
+        tokens, edited = decide_step(logits[:, :width], current, candidates, settings, budget, group[0].generator,
+                                     editable, self.mask_index)
+        self.storage.canvas[lanes, cols] = tokens
+        return torch.stack([(tokens.eq(self.mask_id) & valid).any(1), candidates.any(1), edited], 1)
 
     def _count_forward(self, rows: int, tokens: int):
         self.stats["forward_passes"] += 1
-        self.stats["forward_tokens"] += tokens  # query positions through the model, padding included
+        self.stats["forward_tokens"] += tokens  # query positions through the model
         self.stats["forward_rows"] += rows
         self.stats["max_forward_rows"] = max(self.stats["max_forward_rows"], rows)
 
-    def _refresh_logits(self, rows: list[_Row]) -> torch.Tensor:
-        """Block start of cached rows: whole canvases, keys / values stored -> logits of the blocks."""
-        hidden_states = cached_hidden_states(self.model.model, rows, [(0, r.canvas.numel()) for r in rows], True,
-                                             self.mask_id)
-        starts = [r.window[0] - self.shift for r in rows]
-        return self._head(hidden_states, starts, rows)
-
-    def _window_logits(self, rows: list[_Row]) -> torch.Tensor:
-        """Later steps of cached rows: only the window goes through the model, against the stored keys."""
-        spans = [(r.window[0] - self.shift, r.window[1] if r.params.cache == "dual" else r.canvas.numel())
-                 for r in rows]
-        hidden_states = cached_hidden_states(self.model.model, rows, spans, False, self.mask_id)
-        return self._head(hidden_states, [0] * len(rows), rows)
-
-    def _head(self, hidden_states, starts, rows) -> torch.Tensor:
-        width = max(row.params.block_length for row in rows)
-        index = (torch.tensor(starts, device=self.device).unsqueeze(1) + torch.arange(width, device=self.device))
-        index = index.clamp(max=hidden_states.shape[1] - 1)
-        picked = hidden_states.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden_states.shape[-1]))
-        self._count_forward(len(rows), hidden_states.shape[0] * hidden_states.shape[1])
-        return self.model.lm_head(picked)
-
     def _end_block(self, row: _Row):
         request, params = row.request, row.params
-        start, end = row.window
-        block_tokens = row.canvas[start:end]
-        total = row.canvas.numel()
+        start, end = row.schedule.window
+        new_tokens = self.storage.canvas[row.lane, start:end].tolist()
         finished = False
-        if params.stop_on_eos and self.eos_ids:
+        if params.stop_on_eos and self.eos_ids and end < row.schedule.length:
             # the block ends in EOS and is EOS after its first EOS: the rest of the row would be EOS
-            finished = bool(finished_rows(block_tokens.unsqueeze(0), self.eos_tensor)[0]) and end < total
-        new_tokens = block_tokens.tolist()
+            finished = bool(finished_rows(torch.tensor([new_tokens]), self.eos_tensor)[0])
         request.generated.extend(new_tokens)
         self.stats["generated_tokens"] += len(new_tokens)
         if request.first_block_at is None:
@@ -385,14 +419,13 @@ class ContinuousBatchingEngine:
             request.on_block(request, new_tokens)
         if finished or (request.stop_check is not None and request.stop_check(request.generated)):
             self._finish(row, "stop")
-        elif end >= total:  # "stop" when the answer holds an EOS (the text ends there), else "length"
+        elif not row.schedule.next_block():  # "stop" when the answer holds an EOS (the text ends there)
             self._finish(row, "stop" if any(t in self.eos_ids for t in request.generated) else "length")
-        else:
-            row.block, row.step, row.block_has_masks = row.block + 1, 0, True
 
     def _finish(self, row: _Row, reason: str, error: Exception | None = None):
         if row in self.running:
             self.running.remove(row)
+            self.free_lanes += row.lanes
         self._done(row.request, reason, error)
 
     def _done(self, request: GenerationRequest, reason: str, error: Exception | None = None):

@@ -27,6 +27,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..parallel.float8_delayed import float8_state_dict, load_float8_state_dict
 from ..parallel.trainer_parallel import (has_sharded_checkpoint, load_scheduler_state, load_sharded_checkpoint,
                                          save_full_model, save_sharded_checkpoint)
+from ..utils.checkpoint_files import check_checkpoint_files
 
 # not matched by get_last_checkpoint's `^checkpoint-\d+$` nor rotation's `checkpoint-*`; the leading "_" is
 # the Trainer's own "never upload" pattern (`ignore_patterns=["_*", ...]` when it pushes output_dir to the Hub)
@@ -146,7 +147,8 @@ class CheckpointingMixin:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"no valid checkpoint found in output_dir {self.args.output_dir!r}")
-        if not resume_from_checkpoint and not self.args.overwrite_output_dir and self.args.should_save:
+        # every rank refuses (not only the one that saves): a rank that went on would block in the first collective
+        if not resume_from_checkpoint and not self.args.overwrite_output_dir:
             existing = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
             if existing is not None:
                 raise ValueError(f"output_dir {self.args.output_dir!r} already holds {os.path.basename(existing)}: "
@@ -154,6 +156,7 @@ class CheckpointingMixin:
                                  "(or another output_dir) to start a new run")
         restore_skip = self.args.ignore_data_skip
         if resume_from_checkpoint:
+            check_checkpoint_files(resume_from_checkpoint)  # a truncated file: one line naming it, on every rank
             data_state = (self._load_rank_file(resume_from_checkpoint, DATA_STATE_NAME)
                           if hasattr(self.train_dataset, "load_state_dict") else None)
             if data_state is not None:

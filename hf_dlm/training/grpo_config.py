@@ -27,6 +27,7 @@ from trl import GRPOConfig  # noqa: E402
 from ..generation.configuration import DLM_GENERATION_FIELDS, UNSUPPORTED, DLMGenerationConfig  # noqa: E402
 from ..diffusion.logp_estimators import ESTIMATORS  # noqa: E402
 from ..utils.errors import FieldError  # noqa: E402
+from ..utils.transformers_compat import default_activation_checkpointing  # noqa: E402
 
 # generation_kwargs keys the rollouts honour: the sampler's own fields and trl's sampling fields
 ROLLOUT_KWARGS = (set(DLM_GENERATION_FIELDS) - {"mask_token_id"}) | {"temperature", "top_p", "top_k", "do_sample"}
@@ -96,12 +97,14 @@ class DiffuGRPOConfig(GRPOConfig):
     # -- parent defaults changed ------------------------------------------------------------------
     temperature: float = field(
         default=0.9, metadata={"help": "Sampling temperature of the rollouts (Gumbel-max); d1 uses 0.9. Parent: 1.0."})
-    gradient_checkpointing: bool = field(
-        default=False,
-        metadata={"help": "Parent default True; off here since DLM rollouts dominate the step (turn on for memory)."},
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Parent default True; off here (None: off) since DLM rollouts dominate the step (turn on "
+                          "for memory). transformers >= 5.24 spells it activation_checkpointing."},
     )
 
     def __post_init__(self):
+        default_activation_checkpointing(self, False)  # no FutureWarning from the parent on transformers >= 5.24
         super().__post_init__()
         if self.logp_estimator not in ESTIMATORS:
             raise ValueError(f"DiffuGRPOConfig.logp_estimator must be one of {sorted(ESTIMATORS)}, "

@@ -65,6 +65,30 @@ def toy_reward(completions, answer, **kwargs) -> list[float]:
     return rewards
 
 
+def toy_greedy_eval(model, tokenizer, n: int = 64, seed: int = 12345, max_new_tokens: int = 6) -> dict:
+    """toy-reverse held-out rows decoded greedily (one token per step): {"reward": mean toy_reward, "right_length":
+    share of answers with as many digits as the target, "answers": the decoded texts}."""
+    import torch
+
+    rows = toy_rows(n, seed)
+    prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        sequences = model.generate(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                                   max_new_tokens=max_new_tokens, steps=max_new_tokens, temperature=0.0)
+    model.train(was_training)
+    answers = [text.split(tokenizer.eos_token)[0] for text in
+               tokenizer.batch_decode(sequences[:, batch["input_ids"].shape[1]:], skip_special_tokens=False)]
+    answers = ["".join(ch for ch in text if ch.isdigit()) for text in answers]
+    targets = [r["answer"] for r in rows]
+    rewards = toy_reward(answers, targets)
+    return {"reward": sum(rewards) / n, "right_length": sum(len(a) == len(t) for a, t in zip(answers, targets)) / n,
+            "answers": answers}
+
+
 TOY_SPECIAL_TOKENS = ["<pad>", "<|endoftext|>", "<|mask|>", "<|user|>", "<|assistant|>"]
 TOY_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
                      "{% else %}<|assistant|>{{ m['content'] }}<|endoftext|>{% endif %}{% endfor %}"
@@ -140,7 +164,13 @@ def prepare_peft_base(script, model, tokenizer, output_dir: str) -> None:
 
 
 def save_outputs(script, trainer, tokenizer, output_dir: str) -> None:
-    """The trained model (or adapter) and the tokenizer; an adapter loads with peft's AutoPeftModel."""
+    """The trained model (or adapter) and the tokenizer; an adapter loads with peft's AutoPeftModel. On the toy task,
+    also the greedy toy reward of held-out prompts (the number the example's README lines quote)."""
+    if script.dataset_name == "toy-reverse" and trainer.args.process_index == 0:
+        result = toy_greedy_eval(trainer.accelerator.unwrap_model(trainer.model), tokenizer, n=256)
+        trainer.log({"toy_greedy_reward": result["reward"], "toy_right_length": result["right_length"]})
+        print(f"toy-reverse, 256 held-out prompts decoded greedily: reward {result['reward']:.3f}, answers of the "
+              f"right length {result['right_length']:.1%}")
     trainer.save_model(output_dir)
     tokenizer.save_pretrained(output_dir)
     if script.use_peft:

@@ -7,8 +7,10 @@ The file has three sections:
     data:      kind (one of `hf_dlm.data.builders.DATA_BUILDERS`) and that builder's options
     training:  DLMTrainingArguments fields
 
-`--set section.key=value` overrides one entry (value parsed as YAML). Unknown sections or fields are
-errors that name the file and the field.
+`--set section.key=value` overrides one entry at any depth (`model.config.hidden_size=48`; the value parsed
+as YAML). Unknown sections or fields, and values of the wrong type for their DLMConfig / DLMTrainingArguments
+field, are errors that name the file, the field, the value and what is expected, raised before any data is
+built.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import re
 import torch
 
 from ..data.builders import DATA_BUILDERS, build_data, register_data_builder  # noqa: F401  (the YAML's data.kind)
+from ..utils.checkpoint_files import CheckpointFileError, check_checkpoint_files
 from ..utils.errors import ConfigError
 from ..utils.import_utils import require
+from ..utils.typecheck import conforms, expected, field_types
 
 SECTIONS = ("model", "data", "training")
 MODEL_KEYS = ("name_or_path", "config", "attn_implementation", "dtype")
+DEFAULT_OUTPUT_DIR = "outputs/pretrain"
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,14 +68,7 @@ def load_config(path: str, overrides: list[str] | None = None) -> dict:
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: the top level must be a mapping with sections {SECTIONS}")
     for item in overrides or []:
-        key, sep, value = item.partition("=")
-        section, dot, name = key.partition(".")
-        if not sep or not dot:
-            raise ConfigError(f"--set {item!r}: expected section.key=value")
-        try:
-            config.setdefault(section, {})[name] = yaml.load(value, Loader=loader)
-        except yaml.YAMLError as error:
-            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {error}") from None
+        _apply_override(config, item, loader)
     unknown = sorted(set(config) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {unknown}; expected {list(SECTIONS)}")
@@ -78,6 +76,39 @@ def load_config(path: str, overrides: list[str] | None = None) -> dict:
         if not isinstance(config.get(section, {}), dict):
             raise ConfigError(f"{path}: section {section!r} must be a mapping")
     return config
+
+
+def _apply_override(config: dict, item: str, loader) -> None:
+    """`--set a.b.c=value`: the value (parsed as YAML) at any depth (`model.config.rope_parameters.rope_theta`);
+    missing mappings on the way are created, a non-mapping on the way is an error naming it."""
+    import yaml
+
+    key, sep, text = item.partition("=")
+    keys = key.strip().split(".")
+    if not sep or len(keys) < 2 or not all(keys):
+        raise ConfigError(f"--set {item!r}: expected section.key=value (keys at any depth: model.config.hidden_size=48)",
+                          field=key or None)
+    try:
+        value = yaml.load(text, Loader=loader)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML: {' '.join(str(error).split())}",
+                          field=key) from None
+    node = config
+    for depth, name in enumerate(keys[:-1]):
+        if node.get(name) is None:
+            node[name] = {}
+        if not isinstance(node[name], dict):
+            where = ".".join(keys[: depth + 1])
+            raise ConfigError(f"--set {item!r}: {where} is {node[name]!r}, not a mapping", field=where,
+                              value=node[name])
+        node = node[name]
+    node[keys[-1]] = value
+
+
+def _check_field(path: str, field: str, value, annotation) -> None:
+    """One line naming section.field, the value and the expected type, before any data is built."""
+    if not conforms(value, annotation):
+        raise ConfigError(f"{path}: {field} = {value!r}: expected {expected(annotation)}", field=field, value=value)
 
 
 # -- model and arguments --------------------------------------------------------------------------------
@@ -91,7 +122,13 @@ def check_model_section(model: dict, model_options: dict, path: str = "config") 
     known = {f.name for f in dataclasses.fields(DLMConfig)}
     typo = sorted(set(model_options) - known)
     if typo:
-        raise ConfigError(f"{path}: model.config.{typo[0]} is not a DLMConfig field")
+        raise ConfigError(f"{path}: model.config.{typo[0]} is not a DLMConfig field", field=f"model.config.{typo[0]}")
+    types = field_types(DLMConfig)
+    for name, value in model_options.items():
+        _check_field(path, f"model.config.{name}", value, types.get(name, object))
+    for name in ("name_or_path", "attn_implementation", "dtype"):
+        if model.get(name) is not None:
+            _check_field(path, f"model.{name}", model[name], str)
 
 
 def build_model(model: dict, model_options: dict, path: str = "config"):
@@ -125,14 +162,18 @@ def build_training_args(training: dict, path: str = "config"):
     options = {}
     for name, value in training.items():
         if name not in fields:
-            raise ConfigError(f"{path}: training.{name} is not a DLMTrainingArguments field")
-        if isinstance(value, str) and "float" in str(fields[name].type):
+            raise ConfigError(f"{path}: training.{name} is not a DLMTrainingArguments field", field=f"training.{name}")
+        annotation = field_types(DLMTrainingArguments).get(name)
+        if isinstance(value, str) and conforms(1.0, annotation) and not conforms(value, annotation):
             try:
                 value = float(value)  # YAML reads 3e-4 (no dot) as a string
             except ValueError:
-                raise ConfigError(f"{path}: training.{name} must be a number, got {value!r}") from None
+                pass
+        if name == "resume_from_checkpoint" and isinstance(value, bool):
+            value = "true" if value else None  # `resume_from_checkpoint: true`: the last checkpoint
+        _check_field(path, f"training.{name}", value, object if annotation is None else annotation)
         options[name] = value
-    options.setdefault("output_dir", "outputs/pretrain")
+    options.setdefault("output_dir", DEFAULT_OUTPUT_DIR)
     try:
         return DLMTrainingArguments(**options)
     except (TypeError, ValueError) as error:
@@ -183,14 +224,43 @@ def build_trainer(config: dict, path: str = "config"):
     return trainer, data["tokenizer"]
 
 
+def check_resume(training: dict, path: str = "config") -> str | None:
+    """The checkpoint to resume from (None: a fresh run), decided on every rank from the files alone, so a
+    refusal is the same one line on every rank of a launch and comes before any collective: an output_dir that
+    already holds checkpoints without resume_from_checkpoint, a resume with nothing to resume, or a checkpoint
+    file that cannot be read (named, with the previous checkpoint to fall back to)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    output_dir = training.get("output_dir", DEFAULT_OUTPUT_DIR)
+    resume = training.get("resume_from_checkpoint")
+    if isinstance(resume, str) and resume.lower() in ("true", "last"):
+        resume = True
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if not resume:
+        if last is not None and not training.get("overwrite_output_dir"):
+            raise ConfigError(f"{path}: training.output_dir {output_dir!r} already holds {os.path.basename(last)}: "
+                              "--set training.resume_from_checkpoint=true to continue it, or another output_dir "
+                              "(or training.overwrite_output_dir=true) for a new run", field="training.output_dir",
+                              value=output_dir)
+        return None
+    checkpoint = last if resume is True else resume
+    if checkpoint is None or not os.path.isdir(checkpoint):
+        where = f"{output_dir!r} holds no checkpoint" if resume is True else f"{resume!r} is not a checkpoint folder"
+        raise ConfigError(f"{path}: training.resume_from_checkpoint: {where}", field="training.resume_from_checkpoint",
+                          value=resume)
+    try:
+        check_checkpoint_files(checkpoint, "--set training.resume_from_checkpoint")
+    except CheckpointFileError as error:
+        raise ConfigError(str(error), field="training.resume_from_checkpoint", value=error.field) from None
+    return checkpoint
+
+
 def run_pretraining(path: str, overrides: list[str] | None = None) -> dict:
     """Train, evaluate (if there is an eval set) and save the final model; returns the metrics."""
     config = load_config(path, overrides)
+    resume = check_resume(config.get("training", {}), path)  # before any data is built or collective is run
     trainer, _ = build_trainer(config, path)
-    resume = trainer.args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() in ("true", "last"):
-        resume = True
-    result = trainer.train(resume_from_checkpoint=resume or None)
+    result = trainer.train(resume_from_checkpoint=resume)
     metrics = dict(result.metrics, global_step=result.global_step)
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())

@@ -28,6 +28,7 @@ from trl import SFTConfig  # noqa: E402
 from ..data.sft_data import PADDING_POLICIES  # noqa: E402
 from ..diffusion.objective import PRESETS, MaskedDiffusionObjective  # noqa: E402
 from ..parallel.trainer_parallel import ParallelArguments  # noqa: E402
+from ..utils.transformers_compat import default_activation_checkpointing  # noqa: E402
 from .training_args import DiffusionTrainingFields, ObjectiveArguments  # noqa: E402
 
 # LLaDA's SFT recipe on top of the preset: each row's loss divided by its response length, no random cuts
@@ -66,10 +67,7 @@ class DLMSFTConfig(ObjectiveArguments, DiffusionTrainingFields, ParallelArgument
         self._validate_objective_fields()
         self._validate_diffusion_fields()
         self._validate_layout_fields()
-        if self.gradient_checkpointing is None:  # the new name when this transformers has it: no FutureWarning
-            name = "activation_checkpointing" if hasattr(self, "activation_checkpointing") else "gradient_checkpointing"
-            if getattr(self, name) is None:
-                setattr(self, name, False)
+        default_activation_checkpointing(self, False)  # the new name when this transformers has it: no FutureWarning
         super().__post_init__()
         if self.padding_policy not in PADDING_POLICIES:
             self._field_error("padding_policy", f"one of {PADDING_POLICIES}")

@@ -35,7 +35,7 @@ class ObjectiveArguments:
     # a trainer's own defaults between the preset and the explicit fields (DLMSFTConfig: LLaDA's SFT recipe)
     _objective_defaults: ClassVar[dict] = {}
     _OBJECTIVE_FIELDS: ClassVar[tuple] = ("schedule", "weighting", "t_sampling", "eps", "normalization",
-                                          "at_least_one_masked", "random_length_prob")
+                                          "at_least_one_masked", "random_length_prob", "subs")
 
     objective_preset: str | None = field(
         default="mdlm",
@@ -62,6 +62,11 @@ class ObjectiveArguments:
         default=None,
         metadata={"help": "Probability that a sample is cut to a random length in [2, L] (LLaDA/MegaDLMs use 0.01). "
                           "None: the preset's."},
+    )
+    subs: bool | None = field(
+        default=None,
+        metadata={"help": "MDLM's SUBS parameterisation: [MASK] removed from the loss's softmax (and from the ELBO "
+                          "evaluation). None: the preset's (True for mdlm)."},
     )
     objective_seed: int | None = field(
         default=None,

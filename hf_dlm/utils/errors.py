@@ -26,5 +26,9 @@ class ConfigError(FieldError):
     def __init__(self, message: str, field: str | None = None, value=_UNSET):
         super().__init__(field, message, value)
 
+    def with_prefix(self, prefix: str) -> ConfigError:
+        """The same error with `prefix: ` (the config file) in front of its message."""
+        return ConfigError(f"{prefix}: {self}", self.field, self.value if self.has_value else _UNSET)
+
 
 __all__ = ["FieldError", "ConfigError"]

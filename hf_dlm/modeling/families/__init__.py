@@ -16,8 +16,8 @@ from typing import Callable
 from .base import FamilyConfig
 from .llada import LLADA_KEYS, LLaDAConfig, LLaDAModel, LLaDAModelLM
 from .llada_moe import (
-    LLaDA2MoeConfig, LLaDA2MoeModel, LLaDA2MoeModelLM, LLaDAMoEConfig, LLaDAMoEModel, LLaDAMoEModelLM, llada2_keys,
-    lladamoe_keys,
+    LLaDA2MoeConfig, LLaDA2MoeModel, LLaDA2MoeModelLM, LLaDA21MoeConfig, LLaDA21MoeModel, LLaDA21MoeModelLM,
+    LLaDAMoEConfig, LLaDAMoEModel, LLaDAMoEModelLM, llada2_keys, lladamoe_keys,
 )
 from .qwen_families import (
     DreamBaseModel, DreamConfig, DreamModel, Fast_dLLM_QwenForCausalLM, Fast_dLLM_QwenModel, FastDLLMQwenConfig,
@@ -42,6 +42,7 @@ FAMILIES: dict[str, Family] = {
         Family(FastDLLMQwenConfig, Fast_dLLM_QwenModel, Fast_dLLM_QwenForCausalLM),
         Family(LLaDAMoEConfig, LLaDAMoEModel, LLaDAMoEModelLM, lladamoe_keys),
         Family(LLaDA2MoeConfig, LLaDA2MoeModel, LLaDA2MoeModelLM, llada2_keys),
+        Family(LLaDA21MoeConfig, LLaDA21MoeModel, LLaDA21MoeModelLM, llada2_keys),
         Family(SDARMoeConfig, SDARMoeModel, SDARMoeForCausalLM, sdar_moe_keys),
     )
 }
@@ -60,5 +61,7 @@ def register_families() -> None:
             register_checkpoint_conversion_mapping(model_type, family.key_mapping(), overwrite=True)
 
 
-__all__ = ["FAMILIES", "Family", "register_families", *(f.lm_class.__name__ for f in FAMILIES.values()),
-           *(f.config_class.__name__ for f in FAMILIES.values())]
+__all__ = ["FAMILIES", "Family", "register_families", "LLaDAConfig", "LLaDAModelLM", "DreamConfig", "DreamModel",
+           "SDARConfig", "SDARForCausalLM", "SDARMoeConfig", "SDARMoeForCausalLM", "FastDLLMQwenConfig",
+           "Fast_dLLM_QwenForCausalLM", "LLaDAMoEConfig", "LLaDAMoEModelLM", "LLaDA2MoeConfig", "LLaDA2MoeModelLM",
+           "LLaDA21MoeConfig", "LLaDA21MoeModelLM"]

@@ -176,7 +176,18 @@ def grouped_experts() -> list[WeightConverter]:
 
 
 class FamilyModelMixin:
-    """Saves in the published layout only (no hf-dlm remote code or auto_map written over the family's)."""
+    """Saves in the published layout only (no hf-dlm remote code or auto_map written over the family's), and
+    starts `generation_config` from the family's published sampler defaults (`generation_defaults`, a callable
+    of the config; a checkpoint's generation_config.json, loaded later by `from_pretrained`, wins)."""
+
+    generation_defaults: ClassVar = None
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        defaults = type(self).generation_defaults
+        if defaults is not None and getattr(self, "generation_config", None) is not None:
+            for name, value in defaults(config).items():
+                setattr(self.generation_config, name, value)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         return PreTrainedModel.save_pretrained(self, save_directory, *args, **kwargs)

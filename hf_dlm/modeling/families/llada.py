@@ -59,8 +59,15 @@ class LLaDAModel(FamilyModelMixin, DLMModel):
     config_class = LLaDAConfig
 
 
+def llada_generation_defaults(config) -> dict:
+    """LLaDA's `generate.py` as its example runs it: 128 tokens in semi-autoregressive blocks of 32, one token per
+    step, low-confidence remasking, greedy."""
+    return {"max_new_tokens": 128, "steps": 128, "block_length": 32, "remasking": "low_confidence"}
+
+
 class LLaDAModelLM(FamilyModelMixin, DLMForDiffusionLM):
     config_class = LLaDAConfig
+    generation_defaults = llada_generation_defaults
 
 
 # published name -> hf-dlm name, in order (the head's `transformer.ff_out` before the blocks' `ff_out`)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from transformers.core_model_loading import WeightConverter
 
 from ..modeling_dlm import DLMForDiffusionLM, DLMModel
+from .llada import llada_generation_defaults
 from .base import FamilyConfig, FamilyModelMixin, SplitFusedQKV, check_field, grouped_experts, renamings
 
 _COMMON = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -116,14 +117,42 @@ class LLaDAMoEModel(FamilyModelMixin, DLMModel):
 
 class LLaDAMoEModelLM(FamilyModelMixin, DLMForDiffusionLM):
     config_class = LLaDAMoEConfig
+    generation_defaults = llada_generation_defaults  # LLaDA-MoE ships LLaDA's sampler
 
 
 class LLaDA2MoeModel(FamilyModelMixin, DLMModel):
     config_class = LLaDA2MoeConfig
 
 
+def block_threshold_defaults(threshold: float):
+    """Block diffusion as LLaDA2's `generate` (threshold 0.95) and SDAR's `low_confidence_dynamic` (0.85) run it:
+    blocks of the model's block size, each step commits the block's masks above the threshold (at least the most
+    confident one), earlier blocks from the exact block cache, greedy."""
+    return lambda config: {"block_length": config.block_size, "threshold": threshold, "cache": "prefix",
+                           "remasking": "low_confidence"}
+
+
 class LLaDA2MoeModelLM(FamilyModelMixin, DLMForDiffusionLM):
     config_class = LLaDA2MoeConfig
+    generation_defaults = block_threshold_defaults(0.95)
+
+
+class LLaDA21MoeConfig(LLaDA2MoeConfig):
+    """LLaDA2.1 as some copies publish it (`model_type: "llada21_moe"`): LLaDA2's architecture and keys."""
+
+    model_type = "llada21_moe"
+
+
+class LLaDA21MoeModel(FamilyModelMixin, DLMModel):
+    config_class = LLaDA21MoeConfig
+
+
+class LLaDA21MoeModelLM(LLaDA2MoeModelLM):
+    config_class = LLaDA21MoeConfig
+
+
+# those copies keep LLaDA2's class name: saved configs then name the same `architectures`
+LLaDA21MoeModelLM.__name__ = "LLaDA2MoeModelLM"
 
 
 def lladamoe_keys():

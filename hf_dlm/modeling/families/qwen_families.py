@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ..modeling_dlm import DLMForDiffusionLM, DLMModel
 from .base import FamilyConfig, FamilyModelMixin, check_field, grouped_experts
+from .llada_moe import block_threshold_defaults
 
 _QWEN_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
@@ -81,6 +82,10 @@ class DreamModel(FamilyModelMixin, DLMForDiffusionLM):
     """Named as Dream's published class (which carries the LM head), so a saved config's `architectures` matches."""
 
     config_class = DreamConfig
+    # Dream's README call: 512 tokens, 512 steps, entropy ordering, temperature 0.2, top_p 0.95 (its own timestep
+    # schedule for how many tokens each step commits is not reproduced: the core splits them evenly)
+    generation_defaults = staticmethod(lambda config: {"max_new_tokens": 512, "steps": 512, "remasking": "entropy",
+                                                        "do_sample": True, "temperature": 0.2, "top_p": 0.95})
 
 
 class SDARModel(FamilyModelMixin, DLMModel):
@@ -89,6 +94,7 @@ class SDARModel(FamilyModelMixin, DLMModel):
 
 class SDARForCausalLM(FamilyModelMixin, DLMForDiffusionLM):
     config_class = SDARConfig
+    generation_defaults = block_threshold_defaults(0.85)
 
 
 class SDARMoeModel(FamilyModelMixin, DLMModel):
@@ -97,6 +103,7 @@ class SDARMoeModel(FamilyModelMixin, DLMModel):
 
 class SDARMoeForCausalLM(FamilyModelMixin, DLMForDiffusionLM):
     config_class = SDARMoeConfig
+    generation_defaults = block_threshold_defaults(0.85)
 
 
 class Fast_dLLM_QwenModel(FamilyModelMixin, DLMModel):  # noqa: N801 (the published name)
@@ -105,6 +112,9 @@ class Fast_dLLM_QwenModel(FamilyModelMixin, DLMModel):  # noqa: N801 (the publis
 
 class Fast_dLLM_QwenForCausalLM(FamilyModelMixin, DLMForDiffusionLM):  # noqa: N801
     config_class = FastDLLMQwenConfig
+    # blocks of bd_size from the exact block cache, the token shift (label_alignment); Fast-dLLM v2's sub-blocks of
+    # 8 inside a block are not reproduced by the core
+    generation_defaults = staticmethod(lambda config: {"block_length": config.block_size, "cache": "prefix"})
 
 
 def sdar_moe_keys():

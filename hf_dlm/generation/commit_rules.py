@@ -1,0 +1,166 @@
+"""Commit rules: which positions of the current block a diffusion step commits, one registry for
+`model.generate` and the serving engine, each rule naming where it is published.
+
+A step's decision has three parts, each from the registry:
+- an order (`remasking`): how masked positions are ranked (confidence of the candidate token, random,
+  top-1 minus top-2 margin, minus the entropy);
+- a count: LLaDA's per-step budget of the best-ranked masks (default), or a rule that decides how many
+  itself and ignores `steps`: `threshold`, `factor`, `entropy_bound`;
+- an optional edit (`editing_threshold`, beside `threshold`): committed tokens of the current block re-decided.
+
+`decide_step` applies them to a batch of rows that share settings (`CommitSettings`); the candidates are
+Gumbel-max draws in float64 (LLaDA), the [MASK] token never a candidate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import add_gumbel_noise, confidence_scores, filter_logits
+
+
+@dataclass(frozen=True)
+class CommitRule:
+    name: str
+    kind: str  # "order": ranks masks; "count": how many masks a step commits; "edit": re-decides committed tokens
+    source: str
+
+
+COMMIT_RULES: dict[str, CommitRule] = {}
+
+
+def _register(name: str, kind: str, source: str):
+    COMMIT_RULES[name] = CommitRule(name, kind, source)
+
+
+_register("low_confidence", "order", "LLaDA generate.py (remasking='low_confidence'): softmax probability of x0")
+_register("random", "order", "LLaDA generate.py (remasking='random'): uniform random ranks")
+_register("margin", "order", "Dream generation_utils (alg='topk_margin'): top-1 minus top-2 probability")
+_register("entropy", "order", "Dream generation_utils (alg='entropy'): minus the entropy")
+_register("budget", "count", "LLaDA generate.py get_num_transfer_tokens: masks // steps per step, remainder first")
+_register("threshold", "count", "Fast-dLLM llada/generate.py get_transfer_index: confidence >= threshold, "
+          "at least the best")
+_register("factor", "count", "Fast-dLLM get_transfer_index_dynamic: the longest prefix of the sorted confidences "
+          "with c_(i) >= 1 - factor / (i + 1), at least one")
+_register("entropy_bound", "count", "EB sampler (arXiv 2505.24857; transformers EntropyBoundSampler.accept_canvas, "
+          "SGLang eb_sampling): the k lowest-entropy masks with sum - max <= bound")
+_register("editing_threshold", "edit", "LLaDA2.1 generate (diffusers BlockRefinementScheduler editing_threshold): "
+          "committed tokens of the block replaced where p > editing_threshold and the prediction differs")
+
+REMASKING = tuple(name for name, rule in COMMIT_RULES.items() if rule.kind == "order")
+COUNT_RULES = ("threshold", "factor", "entropy_bound")  # the settings that decide the count themselves
+
+
+@dataclass(frozen=True)
+class CommitSettings:
+    """The settings one `decide_step` call shares across its rows (hashable: the engine groups rows by it)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    remasking: str = "low_confidence"
+    threshold: float | None = None
+    factor: float | None = None
+    entropy_bound: float | None = None
+    editing_threshold: float | None = None
+
+    @classmethod
+    def from_config(cls, config) -> "CommitSettings":
+        """From a `DLMGenerationConfig` (greedy whatever the temperature when do_sample is off)."""
+        return cls(temperature=config.sampling_temperature, top_k=config.top_k or None, top_p=config.top_p,
+                   remasking=config.remasking, threshold=config.threshold, factor=config.factor,
+                   entropy_bound=config.entropy_bound, editing_threshold=config.editing_threshold)
+
+    @property
+    def count_rule(self) -> str:
+        """"budget" (LLaDA's steps) or the rule in COUNT_RULES that is set."""
+        return next((name for name in COUNT_RULES if getattr(self, name) is not None), "budget")
+
+
+# ---- count rules: confidence (B, W) with -inf where not a candidate -> (B, W) bool --------------------------
+def budget_commits(confidence: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """The `budget` (B,) best candidates per row; ties go to the lower index (no host sync)."""
+    index = confidence.sort(dim=-1, descending=True, stable=True).indices
+    rank_ok = torch.arange(index.shape[1], device=budget.device).unsqueeze(0) < budget.unsqueeze(1)
+    return torch.zeros_like(rank_ok).scatter_(1, index, rank_ok) & torch.isfinite(confidence)
+
+
+def threshold_commits(confidence: torch.Tensor, threshold: float, strict: bool = False) -> torch.Tensor:
+    """Every candidate with confidence >= threshold (> with `strict`, LLaDA2.1) plus the best one."""
+    allowed = torch.isfinite(confidence)
+    best = torch.zeros_like(allowed).scatter_(1, confidence.argmax(-1, keepdim=True), True)
+    above = confidence > threshold if strict else confidence >= threshold
+    return (above | best) & allowed
+
+
+def factor_commits(confidence: torch.Tensor, factor: float) -> torch.Tensor:
+    """Fast-dLLM's factor rule, vectorised: sort the n candidates' confidences descending; the first index
+    i (0-based) with c_(i) < 1 - factor / (i + 2) fails (never i = 0); commit the i before it. Kept from the
+    source: when the failure is the last candidate every candidate is committed (so a block's last two masks
+    always go together). A row without candidates commits nothing (the source's loop fails there)."""
+    ordered, index = confidence.sort(dim=-1, descending=True, stable=True)
+    count = torch.isfinite(confidence).sum(-1, keepdim=True)  # (B, 1)
+    rank = torch.arange(confidence.shape[1], device=confidence.device).unsqueeze(0)
+    bound = 1 - factor / (rank + 2).to(ordered.dtype)
+    fails = (ordered < bound) & (rank > 0) & (rank < count)
+    first_fail = torch.where(fails, rank, confidence.shape[1]).min(-1, keepdim=True).values
+    take = torch.where(first_fail >= count - 1, count, first_fail)
+    return torch.zeros_like(fails).scatter_(1, index, rank < take) & torch.isfinite(confidence)
+
+
+def entropy_bound_commits(entropy: torch.Tensor, bound: float) -> torch.Tensor:
+    """entropy (B, W), +inf where not a candidate: the k lowest with sum - max <= bound (sorted ascending,
+    the max is the last one taken, so the sum of the earlier ones; equality accepts, the first always)."""
+    ordered, index = entropy.sort(dim=-1, stable=True)
+    earlier = ordered.cumsum(-1) - ordered
+    accept = (earlier <= bound) | (torch.arange(entropy.shape[1], device=entropy.device) == 0)
+    return torch.zeros_like(accept).scatter_(1, index, accept) & torch.isfinite(entropy)
+
+
+def editing_commits(probability, x0, current, editable, editing_threshold: float) -> torch.Tensor:
+    """LLaDA2.1's token-to-token edits: editable (already committed, non-prompt, current block) positions where
+    the prediction differs and its probability is > editing_threshold (strict)."""
+    return editable & (probability > editing_threshold) & x0.ne(current)
+
+
+# ---- one step -----------------------------------------------------------------------------------------------
+def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.Tensor, settings: CommitSettings,
+                budget: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                editable: torch.Tensor | None = None, mask_index: torch.Tensor | None = None):
+    """One step's decision for rows sharing `settings`.
+
+    logits (B, W, V) of the window; current (B, W) its tokens; candidates (B, W) bool: the masks this step may
+    commit; budget (B,): LLaDA's count (count rule "budget"); editable (B, W) bool: committed tokens that
+    `editing_threshold` may replace; mask_index (1,) the [MASK] id, never a candidate.
+    -> (tokens (B, W): the window after the step, edited (B,) bool: some token was re-decided)."""
+    masked_logits = logits if mask_index is None else logits.index_fill(-1, mask_index, -torch.inf)
+    filtered = filter_logits(masked_logits, settings.top_k, settings.top_p)
+    x0 = add_gumbel_noise(filtered, settings.temperature, generator).argmax(-1)
+    rule = settings.count_rule
+    if rule == "entropy_bound":
+        # entropy of the distribution the token is drawn from: [MASK] suppressed, tempered and filtered when
+        # sampling (diffusers / DiffusionGemma), the plain logits when greedy (SGLang)
+        scaled = filtered / settings.temperature if settings.temperature else masked_logits
+        log_p = scaled.to(torch.float64).log_softmax(-1)
+        entropy = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
+        commit = entropy_bound_commits(entropy.masked_fill(~candidates, torch.inf), settings.entropy_bound)
+    else:
+        confidence = confidence_scores(logits, x0, settings.remasking, generator).masked_fill(~candidates, -torch.inf)
+        if rule == "threshold":
+            commit = threshold_commits(confidence, settings.threshold, strict=settings.editing_threshold is not None)
+        elif rule == "factor":
+            commit = factor_commits(confidence, settings.factor)
+        else:
+            commit = budget_commits(confidence, budget)
+    edited = torch.zeros(current.shape[0], dtype=torch.bool, device=current.device)
+    if settings.editing_threshold is not None and editable is not None:
+        probability = confidence_scores(logits, x0, "low_confidence")
+        edit = editing_commits(probability, x0, current, editable, settings.editing_threshold)
+        commit, edited = commit | edit, edit.any(-1)
+    return torch.where(commit, x0, current), edited
+
+
+__all__ = ["COMMIT_RULES", "COUNT_RULES", "REMASKING", "CommitRule", "CommitSettings", "budget_commits",
+           "decide_step", "editing_commits", "entropy_bound_commits", "factor_commits", "threshold_commits"]

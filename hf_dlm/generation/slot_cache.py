@@ -1,0 +1,205 @@
+"""Per-slot key / value storage and the ragged forward of the serving engine.
+
+Every running row owns a lane: a preallocated canvas row and, per layer, key / value storage
+(lanes, capacity + 1, nkv, hd); the last slot is a trash slot that padding writes to. A step sends every
+row's query span through ONE forward, whatever its phase: an uncached row or a cached row at its block
+start queries its whole canvas (keys / values stored), a cached row mid-block its window (dual: the
+block; prefix: the block and the rest). The spans are packed into one (1, T) sequence, so the GEMMs see
+only real tokens; attention runs per row, the packed queries laid out as (rows, Q_max) against the rows'
+storage (`RaggedStep.attention`, called by the model's attention through its `kv_cache`).
+
+Why hand-written: transformers' caches append per sequence and its continuous batching targets causal
+models; a diffusion sampler recomputes windows in the middle of each row's canvas (Fast-dLLM's caches).
+
+Writing a window's fresh keys into the storage is exact for Fast-dLLM's semantics: a cached row's next
+steps recompute the same window before reading it, and its next block start rewrites every slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _grow(tensor: torch.Tensor | None, lanes: int, length: int, fill=0) -> torch.Tensor | None:
+    """`tensor` (lanes', length' + 1, ...) enlarged to (lanes, length + 1, ...), contents kept, the trash slot last."""
+    if tensor is None or (tensor.shape[0] >= lanes and tensor.shape[1] >= length + 1):
+        return tensor
+    lanes, length = max(lanes, tensor.shape[0]), max(length, tensor.shape[1] - 1)
+    out = tensor.new_full((lanes, length + 1, *tensor.shape[2:]), fill)
+    out[: tensor.shape[0], : tensor.shape[1] - 1] = tensor[:, :-1]
+    return out
+
+
+class SlotStorage:
+    """Canvases (lanes, capacity + 1) and per-layer keys / values (lanes, capacity + 1, nkv, hd), allocated once
+    and grown (rounded up) only when a longer canvas or more lanes are needed."""
+
+    def __init__(self, device: torch.device, fill_token: int, round_to: int = 64):
+        self.device, self.fill_token, self.round_to = device, fill_token, round_to
+        self.lanes, self.capacity = 0, 0
+        self.canvas: torch.Tensor | None = None
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def reserve(self, lanes: int, length: int):
+        if lanes <= self.lanes and length <= self.capacity:
+            return
+        self.lanes = max(lanes, self.lanes)
+        self.capacity = max(self.capacity, -(-length // self.round_to) * self.round_to)
+        if self.canvas is None:
+            self.canvas = torch.full((self.lanes, self.capacity + 1), self.fill_token, dtype=torch.long,
+                                     device=self.device)
+        self.canvas = _grow(self.canvas, self.lanes, self.capacity, self.fill_token)
+        for store in (self.keys, self.values):
+            for layer, tensor in store.items():
+                store[layer] = _grow(tensor, self.lanes, self.capacity)
+
+    @property
+    def trash(self) -> int:
+        return self.capacity
+
+
+def bucket(n: int) -> int:
+    """Static sizes for captured / compiled steps: n itself up to 16, else rounded up to a multiple of an eighth
+    of its power of two (at most ~12% padding, a few sizes per octave)."""
+    if n <= 16:
+        return max(n, 1)
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+class RaggedStep:
+    """The plan of one engine forward. Rows r = 0..b-1 each query their canvas slots [start_r, start_r + length_r)
+    on lane `lanes[r]`, against keys [0, key_length_r). `tensors` holds the device indices `ragged_forward`
+    takes; with `buckets` every size (rows, packed tokens, queries per row) is rounded up (`bucket`), the
+    filler rows / tokens reading slot 0 and writing the trash slot, so that a few static shapes repeat.
+
+    mode: the model's attention_mode ('bidirectional', 'causal' or 'block' with `block_size`): which keys
+    a query at position p sees (all of its row's; <= p; blocks <= p's block)."""
+
+    def __init__(self, storage: SlotStorage, lanes: list[int], starts: list[int], lengths: list[int],
+                 key_lengths: list[int], mode: str = "bidirectional", block_size: int | None = None,
+                 buckets: bool = False, heads: list[tuple[int, int]] | None = None, extra: dict | None = None):
+        """heads: per row (first canvas slot, count) whose hidden states go through the LM head ->
+        tensors["head_index"] (rows, max count), later columns repeating the last; extra: per-row integer lists
+        sent to the device with the rest (one host-to-device copy per step)."""
+        b, total, width = len(lanes), sum(lengths), max(lengths)
+        rows = bucket(b) if buckets else b
+        self.num_tokens = bucket(total) if buckets else total
+        width = bucket(width) if buckets else width
+        filler = rows - b
+        lanes, starts = lanes + [lanes[0]] * filler, starts + [0] * filler
+        lengths_t = torch.tensor(lengths + [0] * filler)
+        offsets = torch.cumsum(lengths_t, 0) - lengths_t
+        row = torch.repeat_interleave(torch.arange(rows), lengths_t)  # (T,) row of each packed token
+        qpos = torch.arange(total) - offsets[row]
+        slot = torch.tensor(starts)[row] + qpos
+        padding = self.num_tokens - total  # filler tokens: row 0's lane, the trash slot
+        row = torch.cat([row, torch.zeros(padding, dtype=torch.long)])
+        qpos = torch.cat([qpos, torch.zeros(padding, dtype=torch.long)])
+        slot = torch.cat([slot, torch.full((padding,), storage.trash)])
+        lane = torch.tensor(lanes)[row]
+        # (rows, Q) -> packed token index; padding queries read token 0 (their outputs are never used)
+        q_valid = torch.arange(width).unsqueeze(0) < lengths_t.unsqueeze(1)
+        q_index = torch.where(q_valid, offsets.unsqueeze(1) + torch.arange(width).unsqueeze(0), 0)
+        parts = {"token_lane": lane, "token_slot": slot, "token_row": row, "token_qpos": qpos, "q_index": q_index,
+                 "lanes": torch.tensor(lanes), "key_lengths": torch.tensor(key_lengths + [1] * filler),
+                 "starts": torch.tensor(starts)}
+        if heads is not None:
+            first = torch.tensor([h[0] for h in heads] + [0] * filler) - torch.tensor(starts) + offsets
+            count = torch.tensor([h[1] for h in heads] + [1] * filler)
+            columns = torch.arange(int(count.max()))
+            parts["head_index"] = first.unsqueeze(1) + torch.minimum(columns.unsqueeze(0), count.unsqueeze(1) - 1)
+        for name, values in (extra or {}).items():
+            parts[name] = torch.tensor(list(values) + [values[0]] * filler)
+        flat = torch.cat([t.flatten() for t in parts.values()]).to(storage.device)  # the step's one upload
+        tensors, at = {}, 0
+        for name, t in parts.items():
+            tensors[name] = flat[at : at + t.numel()].view(t.shape)
+            at += t.numel()
+        key_slot = torch.arange(storage.capacity + 1, device=storage.device).view(1, 1, -1)
+        allowed = key_slot < tensors.pop("key_lengths").view(-1, 1, 1)  # (rows, 1, K): the trash slot never
+        query_position = (tensors.pop("starts").unsqueeze(1) + torch.arange(width, device=storage.device)).unsqueeze(-1)
+        if mode == "causal":
+            allowed = allowed & (key_slot <= query_position)
+        elif mode == "block":
+            allowed = allowed & (key_slot // block_size <= query_position // block_size)
+        tensors["mask"] = allowed.expand(rows, width, -1).unsqueeze(1)  # (rows, 1, Q, K)
+        slots = tensors["token_slot"]
+        tensors["positions"] = torch.where(slots == storage.trash, 0, slots).unsqueeze(0)  # (1, T) RoPE positions
+        self.tensors = {name: tensors.pop(name) for name in list(tensors) if name not in (extra or {})}
+        self.extra = tensors
+        self.offsets, self.starts, self.rows = offsets.tolist(), starts, rows
+
+
+class RaggedKV:
+    """The `kv_cache` of `ragged_forward`: writes the packed queries' fresh keys / values into their lanes' slots
+    and runs each row's attention against its lane (`attends`: DLMAttention hands the attention over)."""
+
+    attends = True
+
+    def __init__(self, keys: list, values: list, token_lane, token_slot, token_row, token_qpos, q_index, mask, lanes):
+        self.keys, self.values = keys, values
+        self.token_lane, self.token_slot, self.token_row, self.token_qpos = token_lane, token_slot, token_row, token_qpos
+        self.q_index, self.mask, self.lanes = q_index, mask, lanes
+
+    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
+        """key / value (1, nkv, T, hd) fresh for the packed queries."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self.token_lane, self.token_slot] = key[0].transpose(0, 1).to(keys.dtype)
+        values[self.token_lane, self.token_slot] = value[0].transpose(0, 1).to(values.dtype)
+        return key, value
+
+    def attention(self, module, query: torch.Tensor, key=None, value=None) -> torch.Tensor:
+        """query (1, nh, T, hd) -> attention output (1, T, nh, hd): per row against its lane's keys / values."""
+        layer = module.layer_idx
+        keys = self.keys[layer].index_select(0, self.lanes).transpose(1, 2)  # (b, nkv, K, hd)
+        values = self.values[layer].index_select(0, self.lanes).transpose(1, 2)
+        queries = query[0].transpose(0, 1)[self.q_index].transpose(1, 2)  # (b, nh, Q, hd)
+        if keys.shape[1] != queries.shape[1]:  # grouped-query attention
+            repeat = queries.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+        output = torch.nn.functional.scaled_dot_product_attention(
+            queries, keys.to(queries.dtype), values.to(queries.dtype), attn_mask=self.mask, scale=module.scaling)
+        return output.transpose(1, 2)[self.token_row, self.token_qpos].unsqueeze(0)  # (1, T, nh, hd)
+
+
+class _Allocating(RaggedKV):
+    """The first forward of a storage: allocates each layer's keys / values from the first fresh ones (the model's
+    kv heads, head size and dtype, read from its output) and records which layers attended through it."""
+
+    def __init__(self, storage: SlotStorage, **tensors):
+        super().__init__(storage.keys, storage.values, **tensors)
+        self.storage, self.layers_seen = storage, set()
+
+    def update(self, layer_idx, key, value):
+        if layer_idx not in self.storage.keys:
+            shape = (self.storage.lanes, self.storage.capacity + 1, key.shape[1], key.shape[3])
+            self.storage.keys[layer_idx], self.storage.values[layer_idx] = key.new_zeros(shape), value.new_zeros(shape)
+        return super().update(layer_idx, key, value)
+
+    def attention(self, module, query, key=None, value=None):
+        self.layers_seen.add(module.layer_idx)
+        return super().attention(module, query, key, value)
+
+
+def ragged_forward(model, input_ids, head_index, positions, mask, keys, values, token_lane, token_slot, token_row,
+                   token_qpos, q_index, lanes):
+    """One engine forward: packed queries (1, T) -> logits (b, W, V) at `head_index` (b, W) (packed indices).
+    keys / values: per layer, the storage (lanes, capacity + 1, nkv, hd), updated in place."""
+    cache = RaggedKV(keys, values, token_lane, token_slot, token_row, token_qpos, q_index, mask, lanes)
+    hidden_states = model.model.forward_window(input_ids, None, positions, mask, positions, cache)[0]
+    return model.lm_head(hidden_states[head_index])
+
+
+def first_ragged_forward(model, storage: SlotStorage, input_ids, head_index, positions, mask, **tensors):
+    """`ragged_forward` that allocates the storage; raises when the model's attention ignored the ragged cache."""
+    cache = _Allocating(storage, mask=mask, **tensors)
+    hidden_states = model.model.forward_window(input_ids, None, positions, mask, positions, cache)[0]
+    if not cache.layers_seen or cache.layers_seen != set(storage.keys):
+        raise NotImplementedError(f"{type(model).__name__}: its attention does not take the engine's ragged kv_cache "
+                                  "(`attends`); decode it with model.generate")
+    return model.lm_head(hidden_states[head_index])
+
+
+__all__ = ["RaggedKV", "RaggedStep", "SlotStorage", "bucket", "first_ragged_forward", "ragged_forward"]

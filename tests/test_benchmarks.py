@@ -1,0 +1,29 @@
+"""Every script in benchmarks/ runs its `--tiny` CPU mode (seconds), so none rots unseen.
+
+Each runs as a user runs it (`python benchmarks/<name>.py --tiny`, a fresh interpreter whose path holds
+the repository only through PYTHONPATH), on one thread: the CI machine has 2 shared cores.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
+
+
+def test_every_benchmark_has_a_tiny_mode():
+    missing = [name for name in SCRIPTS if "--tiny" not in (ROOT / "benchmarks" / name).read_text()]
+    assert not missing, f"benchmarks without --tiny: {missing}"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_tiny_run(name, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "OUT": str(tmp_path)}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), "--tiny"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"{name} --tiny exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"

@@ -1,0 +1,222 @@
+"""Commit rules against transcriptions of their published algorithms (written out here from the sources' text,
+per row, with Python loops), on equal logits and through whole generations on a tiny model."""
+
+import pytest
+import torch
+
+from hf_dlm.generation.commit_rules import (COMMIT_RULES, CommitSettings, decide_step, entropy_bound_commits,
+                                            factor_commits)
+
+from tests.utils import MASK_ID, tiny_model
+
+
+# ---- transcriptions -----------------------------------------------------------------------------------------
+def fast_dllm_factor(confidence_row: list[float], factor: float) -> set[int]:
+    """Fast-dLLM get_transfer_index_dynamic for one row: candidates sorted descending, thresholds 1 - factor/(n+1)
+    for n = 1.., the first one -1; stop at the first failure; bump the count when it is 0 or the last index."""
+    candidates = [i for i, c in enumerate(confidence_row) if c != -float("inf")]
+    thresholds = [1 - factor / (n + 1) for n in range(1, len(candidates) + 1)]
+    thresholds[0] = -1
+    ordered = sorted((confidence_row[i] for i in candidates), reverse=True)
+    top_i = 0
+    for top_i in range(len(thresholds)):
+        if ordered[top_i] < thresholds[top_i]:
+            break
+    if top_i == 0 or top_i == len(thresholds) - 1:
+        top_i += 1
+    by_confidence = sorted(candidates, key=lambda i: -confidence_row[i])
+    return set(by_confidence[:top_i])
+
+
+def eb_accept(entropies: list[float], masked: list[bool], bound: float) -> set[int]:
+    """EB sampler (SGLang eb_sampling, block-wise masked form): masked positions by entropy ascending, accept
+    while the entropies before the current one sum to <= bound (the first always)."""
+    order = sorted((i for i in range(len(entropies)) if masked[i]), key=lambda i: entropies[i])
+    accepted, total = set(), 0.0
+    for i in order:
+        if accepted and total > bound:
+            break
+        accepted.add(i)
+        total += entropies[i]
+    return accepted
+
+
+def llada21_step(logits, block, prompt_in_block, threshold, editing_threshold, mask_id):
+    """One step of LLaDA2.1's generate (greedy) for one row's block: masks with p > threshold (else the best),
+    plus edits of committed, non-prompt positions with p > editing_threshold whose prediction changed."""
+    probs = torch.softmax(logits.double(), -1)
+    tokens = probs.index_fill(-1, torch.tensor([mask_id]), -1).argmax(-1)  # [MASK] never proposed (hf-dlm)
+    p = probs.gather(-1, tokens[:, None])[:, 0]
+    active = [t == mask_id for t in block]
+    transfer = [active[i] and p[i] > threshold for i in range(len(block))]
+    if any(active) and not any(transfer):
+        best = max((i for i in range(len(block)) if active[i]), key=lambda i: p[i])
+        transfer[best] = True
+    edits = [not active[i] and not prompt_in_block[i] and p[i] > editing_threshold and int(tokens[i]) != block[i]
+             for i in range(len(block))]
+    new = [int(tokens[i]) if transfer[i] or edits[i] else block[i] for i in range(len(block))]
+    return new, any(edits)
+
+
+# ---- equal logits -------------------------------------------------------------------------------------------
+def test_every_rule_names_its_source():
+    assert {"low_confidence", "random", "margin", "entropy", "threshold", "factor", "entropy_bound",
+            "editing_threshold"} <= set(COMMIT_RULES)
+    assert all(rule.source for rule in COMMIT_RULES.values())
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 2.0, 4.0])
+def test_factor_rule_equals_fast_dllm_on_random_confidences(factor):
+    generator = torch.Generator().manual_seed(int(factor * 10))
+    confidence = torch.rand(64, 12, generator=generator, dtype=torch.float64) ** 0.3  # many near 1
+    confidence[torch.rand(64, 12, generator=generator) < 0.3] = -torch.inf  # committed positions
+    confidence[0, :] = -torch.inf
+    confidence[0, 3] = 0.2  # a single candidate
+    confidence[1, :] = -torch.inf
+    confidence[1, :2] = torch.tensor([0.99, 0.1], dtype=torch.float64)  # the last two go together
+    got = factor_commits(confidence, factor)
+    for row in range(64):
+        if not torch.isfinite(confidence[row]).any():
+            continue
+        expected = fast_dllm_factor(confidence[row].tolist(), factor)
+        assert set(got[row].nonzero().flatten().tolist()) == expected, row
+    assert got[1, :2].all()
+
+
+def test_entropy_bound_equals_the_transcription_and_transformers_accept_canvas():
+    generator = torch.Generator().manual_seed(0)
+    entropy = torch.rand(32, 10, generator=generator, dtype=torch.float64) * 2
+    masked = torch.rand(32, 10, generator=generator) < 0.7
+    masked[:, 0] = True
+    for bound in (0.0, 0.5, 1.3, 5.0):
+        got = entropy_bound_commits(entropy.masked_fill(~masked, torch.inf), bound)
+        for row in range(32):
+            expected = eb_accept(entropy[row].tolist(), masked[row].tolist(), bound)
+            assert set(got[row].nonzero().flatten().tolist()) == expected
+    gemma = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    logits = torch.randn(4, 16, 40, generator=generator, dtype=torch.float64) * 3
+    logits[..., MASK_ID % 40] = -torch.inf
+    sampler = gemma.EntropyBoundSampler(gemma.EntropyBoundSamplerConfig(entropy_bound=1.5), 16, 40, 16)
+    current = torch.full((4, 16), MASK_ID % 40)
+    accepted = sampler.accept_canvas(current, logits.argmax(-1), logits, 0)
+    ours, _ = decide_step(logits, current, torch.ones(4, 16, dtype=torch.bool), CommitSettings(entropy_bound=1.5),
+                          mask_index=torch.tensor([MASK_ID % 40]))
+    assert torch.equal(ours, accepted)
+    assert sampler.accepted_token_mask.sum() > 4  # several tokens per step somewhere
+
+
+def test_editing_step_equals_llada21_on_equal_logits():
+    generator = torch.Generator().manual_seed(3)
+    vocab, width, mask_id = 40, 8, 39
+    for trial in range(40):
+        logits = torch.randn(width, vocab, generator=generator, dtype=torch.float64) * 4
+        logits[:, mask_id] = -1e9  # LLaDA2.1 keeps [MASK] a candidate; here it never wins, so both agree
+        block = torch.randint(0, vocab - 1, (width,), generator=generator)
+        block[torch.rand(width, generator=generator) < 0.5] = mask_id
+        if trial % 4 == 0:
+            block[block == mask_id] = 1  # mask-free steps edit only
+        prompt_in_block = [False] * width
+        expected, expected_edit = llada21_step(logits, block.tolist(), prompt_in_block, 0.6, 0.5, mask_id)
+        candidates = block.eq(mask_id)[None]
+        tokens, edited = decide_step(logits[None], block[None], candidates, CommitSettings(threshold=0.6,
+                                     editing_threshold=0.5), editable=~candidates, mask_index=torch.tensor([mask_id]))
+        assert tokens[0].tolist() == expected and bool(edited[0]) == expected_edit
+
+
+# ---- whole generations against the sources' loops (uncached, batch 1) ----------------------------------------
+def confident_model(**overrides):
+    model = tiny_model(**overrides)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100)  # peaked distributions: the parallel rules commit several tokens per step
+    return model
+
+
+def logits_of(model, x):
+    with torch.no_grad():
+        return model(input_ids=x).logits.double()
+
+
+def reference_loop(model, prompt, new_tokens, block, decide):
+    """The sources' outer loop: per block, forward the whole canvas until `decide` says the block is done."""
+    x = torch.cat([prompt, torch.full((new_tokens,), MASK_ID)])[None]
+    forwards = 0
+    for b in range(new_tokens // block):
+        start, end = len(prompt) + b * block, len(prompt) + (b + 1) * block
+        state = {"post_steps": 0}
+        while True:
+            masks = x[0, start:end].eq(MASK_ID)
+            if not decide.has_work(masks, state):
+                break
+            logits = logits_of(model, x)[0, start:end]
+            forwards += 1
+            x[0, start:end] = torch.tensor(decide(logits, x[0, start:end], masks, state))
+            if decide.finished(masks, state):
+                break
+    return x[0, len(prompt):], forwards
+
+
+class Factor:
+    def __init__(self, factor):
+        self.factor = factor
+
+    def has_work(self, masks, state):
+        return bool(masks.any())
+
+    def finished(self, masks, state):
+        return False
+
+    def __call__(self, logits, block, masks, state):
+        probs = torch.softmax(logits, -1)  # over the whole vocabulary, as the source
+        x0 = probs.index_fill(-1, torch.tensor([MASK_ID]), -1).argmax(-1)  # hf-dlm never proposes [MASK]
+        confidence = torch.where(masks, probs.gather(-1, x0[:, None])[:, 0], -torch.inf).tolist()
+        chosen = fast_dllm_factor(confidence, self.factor)
+        return [int(x0[i]) if i in chosen else int(block[i]) for i in range(len(block))]
+
+
+class EntropyBound(Factor):
+    def __call__(self, logits, block, masks, state):
+        logits = logits.index_fill(-1, torch.tensor([MASK_ID]), -torch.inf)  # SGLang suppresses [MASK] first
+        log_p = logits.log_softmax(-1)
+        entropy = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
+        chosen = eb_accept(entropy.tolist(), masks.tolist(), self.factor)
+        x0 = logits.argmax(-1)
+        return [int(x0[i]) if i in chosen else int(block[i]) for i in range(len(block))]
+
+
+class Editing:
+    def __init__(self, threshold, editing_threshold, max_post_steps=16):
+        self.threshold, self.editing_threshold, self.max_post_steps = threshold, editing_threshold, max_post_steps
+
+    def has_work(self, masks, state):
+        if not masks.any():
+            state["post_steps"] += 1
+        return state["post_steps"] <= self.max_post_steps
+
+    def finished(self, masks, state):
+        return not masks.any() and not state["edited"]
+
+    def __call__(self, logits, block, masks, state):
+        new, state["edited"] = llada21_step(logits, block.tolist(), [False] * len(block), self.threshold,
+                                            self.editing_threshold, MASK_ID)
+        return new
+
+
+@pytest.mark.parametrize("rule,options", [
+    (Factor(1.0), dict(factor=1.0)), (Factor(3.0), dict(factor=3.0)),
+    (EntropyBound(1.5), dict(entropy_bound=1.5)), (EntropyBound(3.0), dict(entropy_bound=3.0)),
+    (Editing(0.7, 0.5), dict(threshold=0.7, editing_threshold=0.5)),
+    (Editing(0.9, 0.3, max_post_steps=2), dict(threshold=0.9, editing_threshold=0.3, max_post_steps=2)),
+])
+def test_generate_equals_the_source_loop_and_commits_several_tokens_per_forward(rule, options):
+    model = confident_model()
+    prompt = torch.randint(0, 90, (5,), generator=torch.Generator().manual_seed(2))
+    expected, forwards = reference_loop(model, prompt, 16, 8, rule)
+    out = model.generate(prompt[None], max_new_tokens=16, block_length=8, return_dict_in_generate=True, **options)
+    assert out.sequences[0, 5:].tolist() == expected.tolist()
+    assert len(out.forward_batch_sizes) == forwards
+    if not isinstance(rule, Editing):
+        assert forwards <= 6  # several tokens per forward on a confident model
+    else:  # edits fired: more forwards than threshold decoding alone, other tokens
+        plain = model.generate(prompt[None], max_new_tokens=16, block_length=8, return_dict_in_generate=True,
+                               threshold=options["threshold"])
+        assert forwards > len(plain.forward_batch_sizes) + 2 and plain.sequences[0, 5:].tolist() != expected.tolist()

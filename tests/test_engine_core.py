@@ -1,0 +1,186 @@
+"""The serving engine as the decoding core with rows joining and leaving: one model forward per engine step for
+rows in every phase, each row's tokens equal to `model.generate` alone (fp32), the new commit rules, cancel and
+block-end streaming."""
+
+import pytest
+import torch
+
+from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
+
+from tests.utils import tiny_model
+
+
+def reference(model, prompt_ids, seed=None, **options):
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    out = model.generate(torch.tensor([prompt_ids]), generator=generator, **options)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def counting(model):
+    """Counts the backbone's forwards (every engine forward goes through forward_window)."""
+    calls = []
+    original = model.model.forward_window
+
+    def forward_window(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    model.model.forward_window = forward_window
+    return calls
+
+
+def run_arriving(engine, requests, per_step):
+    """Submit `per_step` requests before each step until all are in, then run; -> forwards per step."""
+    calls = counting(engine.model)
+    per_step_forwards, pending = [], list(requests)
+    while pending or engine.has_work():
+        if pending:
+            engine.submit(pending[:per_step])
+            pending = pending[per_step:]
+        before = len(calls)
+        had_rows = bool(engine.running or engine.waiting)
+        engine.step()
+        per_step_forwards.append((len(calls) - before, had_rows))
+    return per_step_forwards
+
+
+@pytest.mark.parametrize("mode,alignment", [("bidirectional", "same"), ("bidirectional", "shift"), ("block", "same")])
+def test_one_forward_per_step_with_rows_joining_in_every_phase_and_tokens_equal_generate_alone(mode, alignment):
+    model = tiny_model("sdpa", eos_token_id=5, attention_mode=mode, label_alignment=alignment,
+                       **({"block_size": 4} if mode == "block" else {}))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6)  # threshold decoding then commits several tokens at some steps
+    engine = ContinuousBatchingEngine(model, max_batch_size=6)
+    generator = torch.Generator().manual_seed(0)
+    # (prompt length, new tokens, block, steps, temperature, threshold, cache): uncached, refreshing and window
+    # rows meet in the same steps; 8 rows arrive two per step and wait for a slot once 6 run
+    cases = [(3, 8, 4, 8, 0.0, None, "dual"), (7, 12, 4, 6, 1.0, None, "prefix"), (5, 12, 4, 12, 0.0, 0.3, "dual"),
+             (2, 8, 4, 8, 0.5, None, "none"), (9, 8, 8, 8, 0.0, 0.5, "prefix"), (4, 16, 4, 16, 0.0, None, "dual"),
+             (6, 16, 8, 16, 0.0, 0.2, "none"), (3, 16, 2, 16, 0.9, None, "prefix")]
+    rows = []
+    for seed, (length, new, block, steps, temperature, threshold, cache) in enumerate(cases):
+        ids = torch.randint(0, 90, (length,), generator=generator).tolist()
+        options = dict(max_new_tokens=new, block_length=block, steps=steps, temperature=temperature,
+                       threshold=threshold, cache=cache, stop_on_eos=False)
+        rows.append((ids, seed, options, GenerationRequest(ids, engine.sampling_params(seed=seed, **options))))
+    forwards = run_arriving(engine, [r[-1] for r in rows], per_step=2)
+    assert all(count == 1 for count, had_rows in forwards if had_rows)  # exactly ONE forward per step
+    assert engine.stats["forward_passes"] == sum(count for count, _ in forwards)
+    assert engine.stats["max_forward_rows"] == 6
+    for ids, seed, options, request in rows:
+        assert request.generated == reference(model, ids, seed, **options), options
+
+
+CONFIDENT_RULES = [dict(factor=1.0), dict(entropy_bound=1.5), dict(threshold=0.7, editing_threshold=0.5),
+                   dict(threshold=0.9, editing_threshold=0.3, max_post_steps=2)]
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_factor_entropy_bound_and_editing_equal_generate_in_the_engine(cache):
+    model = tiny_model("sdpa", eos_token_id=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100)  # confident: several tokens per forward, edits that fire
+    engine = ContinuousBatchingEngine(model, max_batch_size=8)
+    generator = torch.Generator().manual_seed(4)
+    rows = []
+    for i, rule in enumerate(CONFIDENT_RULES * 2):
+        ids = torch.randint(0, 90, (3 + i,), generator=generator).tolist()
+        options = dict(max_new_tokens=16, block_length=8, cache=cache, stop_on_eos=False, **rule)
+        rows.append((ids, options, GenerationRequest(ids, engine.sampling_params(**options))))
+    forwards = run_arriving(engine, [r[-1] for r in rows], per_step=3)
+    assert all(count == 1 for count, had_rows in forwards if had_rows)
+    for ids, options, request in rows:
+        alone = model.generate(torch.tensor([ids]), return_dict_in_generate=True, **options)
+        assert request.generated == alone.sequences[0, len(ids):].tolist(), options
+        if "factor" in options or "entropy_bound" in options:
+            assert len(alone.forward_batch_sizes) < 16  # several tokens per forward
+
+
+def test_cancel_frees_the_slot_at_the_next_step_and_blocks_stream_as_they_end():
+    model = tiny_model("sdpa", eos_token_id=5)
+    engine = ContinuousBatchingEngine(model, max_batch_size=2)
+    streamed, done = {}, {}
+    options = dict(max_new_tokens=12, block_length=4, steps=12, stop_on_eos=False)
+
+    def request(ids):
+        return GenerationRequest(ids, engine.sampling_params(**options),
+                                 on_block=lambda r, tokens: streamed.setdefault(r.request_id, []).append(list(tokens)),
+                                 on_done=lambda r, reason, error: done.setdefault(r.request_id, reason))
+
+    first, second, third = request([1, 2, 3]), request([4, 5, 6, 7]), request([8, 9])
+    engine.submit([first, second, third])
+    engine.step()
+    assert [row.request for row in engine.running] == [first, second] and engine.num_waiting == 1
+    lane = engine.running[0].lane
+    engine.cancel(first)
+    engine.step()  # the cancelled row leaves and the waiting one takes its lane in the same step
+    assert done[first.request_id] == "cancelled"
+    assert [row.request for row in engine.running] == [second, third]
+    assert engine.running[1].lane == lane
+    engine.run_until_idle()
+    for req, ids in ((second, [4, 5, 6, 7]), (third, [8, 9])):
+        assert [len(block) for block in streamed[req.request_id]] == [4, 4, 4]  # one message per block end
+        assert sum(streamed[req.request_id], []) == req.generated == reference(model, ids, **options)
+    assert first.request_id not in streamed or len(streamed[first.request_id]) <= 1
+
+
+def test_prompt_beyond_the_model_positions_is_refused_before_queueing():
+    model = tiny_model("sdpa", max_position_embeddings=32)
+    engine = ContinuousBatchingEngine(model)
+    too_long = GenerationRequest(list(range(20)), engine.sampling_params(max_new_tokens=16, block_length=16))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.submit([too_long])
+    assert engine.num_waiting == 0
+
+
+def test_compiled_engine_step_with_bucketed_shapes_equals_eager():
+    # compile="eager": Dynamo traces the ragged step (dynamic sizes; rows, tokens and queries bucketed, filler rows
+    # and tokens writing the trash slot) without Inductor, so the test stays fast on CPU
+    model = tiny_model("sdpa", eos_token_id=5)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 90, (n,), generator=generator).tolist() for n in (3, 7, 5, 11)]
+    options = [dict(cache="dual"), dict(cache="prefix"), dict(cache="none"), dict(cache="dual")]
+    results = []
+    for compile_choice in (None, "eager"):
+        engine = ContinuousBatchingEngine(model, max_batch_size=4, compile=compile_choice)
+        requests = [GenerationRequest(ids, engine.sampling_params(max_new_tokens=12, block_length=4, steps=12,
+                                                                  stop_on_eos=False, **o))
+                    for ids, o in zip(prompts, options)]
+        forwards = run_arriving(engine, requests, per_step=2)
+        assert all(count == 1 for count, had_rows in forwards if had_rows)
+        results.append([r.generated for r in requests])
+        if compile_choice:  # bucketed: more tokens through the model than the rows' spans
+            assert engine.stats["forward_tokens"] > results_tokens
+        results_tokens = engine.stats["forward_tokens"]
+    assert results[0] == results[1]
+    for ids, o, generated in zip(prompts, options, results[1]):
+        assert generated == reference(model, ids, max_new_tokens=12, block_length=4, steps=12, stop_on_eos=False, **o)
+
+
+def test_serving_throughput_benchmark_tiny_core_part(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "serving_throughput.py"), "--tiny", "--parts",
+                    "core", "--out", str(tmp_path)], check=True, env=env, cwd=tmp_path, capture_output=True, timeout=600)
+    report = json.loads((tmp_path / "serving_throughput.json").read_text())
+    assert {(r["setting"], r["arrival"]) for r in report["core"]} == {
+        (s, a) for s in ("one token per step", "threshold 0.9") for a in ("all at once", "one per 2 steps")}
+    assert all(r["forwards"] == r["engine_steps"] for r in report["core"])  # one forward per engine step
+
+
+def test_float8_decoding_takes_the_decoder_projections_and_refuses_without_a_float8_gpu():
+    from hf_dlm.generation.float8 import float8_decoding_filter, quantize_float8_for_decoding
+
+    model = tiny_model("sdpa")
+    taken = {name for name, module in model.named_modules() if float8_decoding_filter(module, name)}
+    assert "model.layers.0.self_attn.q_proj" in taken and "model.layers.1.mlp.down_proj" in taken
+    assert "lm_head" not in taken and not any("embed" in name or "norm" in name for name in taken)
+    if not torch.cuda.is_available():
+        pytest.importorskip("torchao")
+        with pytest.raises(RuntimeError, match="compute capability >= 8.9"):
+            quantize_float8_for_decoding(model)

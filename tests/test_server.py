@@ -167,22 +167,36 @@ def test_fields_are_validated_before_queueing(server):
     assert status == 200 and body["choices"][0]["text"] is not None
 
 
-def test_field_mapping_reaches_the_sampler(server):
+SAMPLERS = [  # request fields beyond prompt / max_tokens / seed: each reaches generate() under the same name
+    {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "steps": 4, "block_length": 4, "remasking": "margin"},
+    {"factor": 1.0, "block_length": 4},
+    {"entropy_bound": 0.5, "block_length": 8, "temperature": 0.5},
+    {"threshold": 0.3, "editing_threshold": 0.5, "max_post_steps": 2, "block_length": 4, "cache": "dual"},
+]
+
+
+@pytest.mark.parametrize("fields", SAMPLERS)
+def test_field_mapping_reaches_the_sampler(server, fields):
     # every OpenAI / diffusion field lands on its DLMGenerationConfig name: the answer equals generate() with them
     from hf_dlm.serving.protocol import CompletionRequest
 
-    body = {"prompt": "a diffusion", "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "top_k": 50, "steps": 4,
-            "block_length": 4, "remasking": "margin", "seed": 11}
-    assert CompletionRequest.model_validate(body).generation_overrides() == {
-        "max_new_tokens": 8, "temperature": 0.8, "top_p": 0.9, "top_k": 50, "steps": 4, "block_length": 4,
-        "remasking": "margin"}
+    body = {"prompt": "a diffusion", "max_tokens": 8, "seed": 11, **fields}
+    assert CompletionRequest.model_validate(body).generation_overrides() == {"max_new_tokens": 8, **fields}
     ids = server.tokenizer(body["prompt"])["input_ids"]
-    expected = generated_ids(server.model, ids, 8, 11, temperature=0.8, top_p=0.9, top_k=50, steps=4, block_length=4,
-                             remasking="margin")
+    expected = generated_ids(server.model, ids, 8, 11, **fields)
     eos = server.tokenizer.eos_token_id
     expected = expected[: expected.index(eos)] if eos in expected else expected
     status, reply = post(server, body)
     assert status == 200 and reply["choices"][0]["text"] == server.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_sampler_refusals_name_their_field(server):
+    # DLMGenerationConfig's FieldErrors under the request's names (400); the schema's bounds first (422)
+    cases = [({"factor": 1.0, "threshold": 0.5}, 400, "factor"), ({"editing_threshold": 0.5}, 400, "editing_threshold"),
+             ({"factor": 0.0}, 422, "factor"), ({"max_post_steps": 10**6}, 422, "max_post_steps")]
+    for fields, expected, param in cases:
+        status, reply = post(server, {"prompt": "x", "max_tokens": 8, **fields})
+        assert (status, reply["error"]["param"]) == (expected, param), (fields, reply)
 
 
 def test_chat_without_a_template_is_400_naming_the_fix(server):

@@ -30,7 +30,8 @@ GOOD = {"max_tokens": [1, 4, 8, 16], "temperature": [0, 0.5, 1.0], "top_p": [0.5
         "n": [1, 2, 4], "seed": [0, 7, 2**63 - 1], "steps": [4, 8, 16], "block_length": [1, 2, 4, 8],
         "threshold": [0.0, 0.5, 0.9], "cache": ["none", "prefix", "dual"], "cfg_scale": [0.0, 1.0],
         "remasking": ["low_confidence", "random", "margin", "entropy"], "stream": [True, False],
-        "stop": ["a", ["the", "o"], []], "model": ["tiny", None], "user": ["u1"]}
+        "stop": ["a", ["the", "o"], []], "model": ["tiny", None], "user": ["u1"], "factor": [0.5, 1.0],
+        "entropy_bound": [0.1, 1.0], "editing_threshold": [0.5], "max_post_steps": [1, 4]}
 UNKNOWN = ["logprobs", "tools", "presence_penalty", "__proto__", "", "max_tokens ", "Temperature"]
 
 

@@ -25,7 +25,7 @@ MAX_CHOICES = 16
 OPENAI_TO_DLM = {"max_tokens": "max_new_tokens"}
 DLM_TO_OPENAI = {dlm: openai for openai, dlm in OPENAI_TO_DLM.items()}
 SAMPLER_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "steps", "block_length", "threshold", "cache",
-                  "remasking", "cfg_scale")
+                  "remasking", "cfg_scale", "factor", "entropy_bound", "editing_threshold", "max_post_steps")
 
 
 class _Strict(BaseModel):
@@ -51,6 +51,12 @@ class SamplingFields(_Strict):
     remasking: Literal[REMASKING] | None = Field(None, description=DLM_GENERATION_FIELDS["remasking"][1])
     top_k: int | None = Field(None, ge=1)
     cfg_scale: float | None = Field(None, ge=0.0, le=100.0, description=DLM_GENERATION_FIELDS["cfg_scale"][1])
+    factor: float | None = Field(None, gt=0.0, le=1e6, description=DLM_GENERATION_FIELDS["factor"][1])
+    entropy_bound: float | None = Field(None, ge=0.0, le=1e6, description=DLM_GENERATION_FIELDS["entropy_bound"][1])
+    editing_threshold: float | None = Field(None, ge=0.0, le=1.0,
+                                            description=DLM_GENERATION_FIELDS["editing_threshold"][1])
+    # bounded: each mask-free step of a block is a forward
+    max_post_steps: int | None = Field(None, ge=1, le=256, description=DLM_GENERATION_FIELDS["max_post_steps"][1])
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -123,7 +123,7 @@ def run_quickstart(cfg: QuickstartConfig, log=print, started_at: float | None = 
     n_params = sum(p.numel() for p in model.parameters())
     model.eval()
     eval_start = time.perf_counter()
-    before = elbo_nll(model, heldout, mc_num=cfg.mc_num, seed=cfg.seed)["nll_per_token"]
+    before = elbo_nll(model, heldout, mc_num=cfg.mc_num, seed=cfg.seed, subs=objective.subs)["nll_per_token"]
     eval_seconds = time.perf_counter() - eval_start
     log(f"model: {n_params / 1e6:.2f}M parameters; held-out ELBO at init: {before:.3f} nats/token")
     with torch.no_grad():  # one sampler forward, to budget the sample (one forward per new token)
@@ -171,7 +171,7 @@ def run_quickstart(cfg: QuickstartConfig, log=print, started_at: float | None = 
     train_seconds = time.perf_counter() - start
 
     model.eval()
-    after = elbo_nll(model, heldout, mc_num=cfg.mc_num, seed=cfg.seed)["nll_per_token"]
+    after = elbo_nll(model, heldout, mc_num=cfg.mc_num, seed=cfg.seed, subs=objective.subs)["nll_per_token"]
     model.save_pretrained(cfg.output_dir)
     tokenizer.save_pretrained(cfg.output_dir)
 

@@ -13,6 +13,7 @@ forward, 2.5x that for the backward), so kernels that visit cross-document pairs
 Dense bidirectional attention (FA4 beside cuDNN), head dim 128: (4, 16 heads, 4096) and (1, 16 heads, 32768).
 
     python benchmarks/attention_kernels.py --out results/
+    python benchmarks/attention_kernels.py --tiny    # CPU smoke run: the model check and the dense-mask kernel
 """
 
 from __future__ import annotations
@@ -30,11 +31,20 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+DEVICE, DTYPE = "cuda", torch.bfloat16  # --tiny: CPU, float32
+
 
 def bench(fn, iters=10):
     """Median ms of fn() over iters, after 3 warm-ups (CUDA events)."""
     for _ in range(3):
         fn()
+    if DEVICE != "cuda":
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[len(times) // 2]
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
@@ -77,15 +87,15 @@ def packed_suite(a, results):
 
     B, H, KV, L, D = a.batch, a.heads, a.kv_heads, a.seq, 128
     lengths = doc_lengths(B, L, a.doc_mean)
-    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths]).cuda()
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths]).to(DEVICE)
     doc = document_ids_from_position_ids(positions)
     pairs = sum(n * n for row in lengths for n in row)
     flops = 4 * pairs * H * D * 3.5  # forward + backward (2.5x)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(B, KV, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(B, KV, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    grad = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(B, H, L, D, device=DEVICE, dtype=DTYPE, generator=g)
+    k = torch.randn(B, KV, L, D, device=DEVICE, dtype=DTYPE, generator=g)
+    v = torch.randn(B, KV, L, D, device=DEVICE, dtype=DTYPE, generator=g)
+    grad = torch.randn(B, H, L, D, device=DEVICE, dtype=DTYPE, generator=g)
     dense = (doc[:, None, :, None] == doc[:, None, None, :])  # (B, 1, L, L)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -105,12 +115,13 @@ def packed_suite(a, results):
 
     flex = torch.compile(flex_attention, dynamic=False)
     t0 = time.perf_counter()
-    block_mask = block_mask_from_mod(make_mask_mod("bidirectional", document_ids=doc), B, L, L, "cuda")
-    torch.cuda.synchronize()
+    block_mask = block_mask_from_mod(make_mask_mod("bidirectional", document_ids=doc), B, L, L, DEVICE)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     results["block_mask_build_ms"] = (time.perf_counter() - t0) * 1e3
     variants["flex (hf-dlm BlockMask)"] = lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 
-    cu = torch.tensor([0] + [n for row in lengths for n in row], device="cuda").cumsum(0).to(torch.int32)
+    cu = torch.tensor([0] + [n for row in lengths for n in row], device=DEVICE).cumsum(0).to(torch.int32)
     longest = max(n for row in lengths for n in row)
 
     def flat(t):  # (B, h, L, D) -> (B * L, h, D)
@@ -134,7 +145,7 @@ def packed_suite(a, results):
         variants["varlen (torch.nn.attention.varlen)"] = varlen
     except ImportError as error:
         results["varlen_error"] = repr(error)
-    fa4 = fa4_module(results)
+    fa4 = fa4_module(results) if DEVICE == "cuda" else None
     if fa4 is not None:
         def fa4_varlen(q, k, v):
             out = fa4.flash_attn_varlen_func(flat(q), flat(k), flat(v), cu_seqlens_q=cu, cu_seqlens_k=cu,
@@ -234,10 +245,10 @@ def model_check(results):
                            num_attention_heads=4, num_key_value_heads=2, mask_token_id=319, qk_norm=True,
                            max_position_embeddings=1024, attention_mode=mode, block_size=16 if mode == "block" else None)
         torch.manual_seed(0)
-        model = DLMForDiffusionLM(config).cuda()
-        ids = torch.randint(0, 319, (2, 512), device="cuda")
-        kwargs = ({"position_ids": torch.cat([torch.arange(n) for n in (100, 300, 112)]).expand(2, -1).cuda()}
-                  if case == "packed" else {"clean_input_ids": torch.randint(0, 319, (2, 512), device="cuda")})
+        model = DLMForDiffusionLM(config).to(DEVICE)
+        ids = torch.randint(0, 319, (2, 512), device=DEVICE)
+        kwargs = ({"position_ids": torch.cat([torch.arange(n) for n in (100, 300, 112)]).expand(2, -1).to(DEVICE)}
+                  if case == "packed" else {"clean_input_ids": torch.randint(0, 319, (2, 512), device=DEVICE)})
         grads = {}
         for implementation in ("eager", "sdpa"):
             model.config._attn_implementation = implementation
@@ -248,7 +259,7 @@ def model_check(results):
         from hf_dlm.modeling.masks import document_attention_implementation
 
         out[case] = dict(rel_logits=rel(grads["sdpa"][0], grads["eager"][0]), rel_grad=rel(grads["sdpa"][1], grads["eager"][1]),
-                         sdpa_runs=document_attention_implementation("sdpa", torch.device("cuda")))
+                         sdpa_runs=document_attention_implementation("sdpa", torch.device(DEVICE)))
         print(json.dumps({case: out[case]}), flush=True)
     results["model_check"] = out
 
@@ -263,8 +274,13 @@ def main():
     p.add_argument("--parts", default="model,packed,dense", help="comma-separated: model, packed, dense")
     p.add_argument("--kernels", default="", help="packed part: only variants whose name holds one of these")
     p.add_argument("--out", default=None)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: small shapes, float32, model check + dense mask")
     a = p.parse_args()
-    results = dict(torch=torch.__version__, device=torch.cuda.get_device_name())
+    global DEVICE, DTYPE
+    if a.tiny:
+        DEVICE, DTYPE = "cpu", torch.float32
+        a.batch, a.heads, a.kv_heads, a.seq, a.doc_mean, a.parts, a.kernels = 1, 2, 1, 64, 20, "model,packed", "dense"
+    results = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu")
     for part, fn in (("model", model_check), ("packed", packed_suite), ("dense", dense_suite)):
         if part in a.parts.split(","):
             try:
@@ -285,6 +301,10 @@ def main():
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "attention_kernels.json"), "w") as f:
             json.dump(results, f, indent=1)
+    if a.tiny:  # the smoke run fails loudly: every part ran and every kernel matched its reference
+        assert not [k for k in results if k.endswith("_error")], results
+        assert results["packed"]["rows"] and all(row.get("ok") for row in results["packed"]["rows"]), results
+        assert all(c["rel_logits"] < 1e-4 for c in results["model_check"].values()), results["model_check"]
 
 
 if __name__ == "__main__":

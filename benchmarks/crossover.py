@@ -20,8 +20,8 @@ The MoE study trains the DLM of one size on the smallest budget with MoE layers 
 (num_experts_per_tok experts of width intermediate_size / num_experts_per_tok), token choice (softmax) and
 expert choice (sequence or batch level), against the dense run.
 
-    python benchmarks/crossover.py --tiny                        # CPU, seconds: writes crossover_tiny.json
-    python benchmarks/crossover.py --preset h200-short --out benchmarks/results/crossover_h200.json
+    python benchmarks/crossover.py --tiny                # CPU, seconds: writes $OUT/crossover_tiny.json (+ .png)
+    python benchmarks/crossover.py --preset h200-short   # one H200, about 8 minutes: $OUT/crossover_h200-short.json
     python benchmarks/crossover.py --config my.yaml --set training.steps=600 --only crossover
     python benchmarks/crossover.py --plot results.json out.png   # matplotlib, CPU
 
@@ -230,7 +230,8 @@ def train_run(study: dict, data: dict, spec: dict, device: str) -> dict:
             objective_preset="ar" if spec["objective"] == "ar" else training["dlm_objective"],
             bf16=bool(training["bf16"]), compile_blocks=bool(training["compile"]), use_cpu=not cuda,
             save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, logging_steps=steps,
-            t_buckets=0, dataloader_drop_last=True)
+            t_buckets=0, dataloader_drop_last=True,
+            logging_nan_inf_filter=False)  # the filter reads the loss on the host: a GPU sync every step
         autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if training["bf16"] and cuda
                     else (lambda: torch.autocast(device, enabled=False)))
         evaluation = PeriodicEvaluation(data, training, max(1, steps // training["evaluations"]), batch * seq_len,
@@ -436,7 +437,8 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one entry of the study (YAML value), e.g. training.steps=600 or budgets=[81920]")
     parser.add_argument("--only", choices=("all", "crossover", "moe"), default="all")
-    parser.add_argument("--out", help="results JSON (default: crossover_<preset>.json)")
+    parser.add_argument("--out", help="results JSON (default: $OUT/crossover_<preset>.json, or in the current "
+                                      "folder without $OUT); the plot goes beside it when matplotlib is installed")
     parser.add_argument("--plot", nargs=2, metavar=("RESULTS_JSON", "OUT_PNG"), help="render a results file")
     args = parser.parse_args(argv)
     if args.plot:
@@ -452,8 +454,16 @@ def main(argv=None) -> int:
     study = load_study(path, args.set)
     if args.tiny:
         study["cpu"] = True
-    out = args.out or f"crossover_{name or os.path.splitext(os.path.basename(path))[0]}.json"
+    out = args.out or os.path.join(os.environ.get("OUT", "."),
+                                   f"crossover_{name or os.path.splitext(os.path.basename(path))[0]}.json")
     results = run_study(study, out, args.only)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"matplotlib is not installed: render the plot elsewhere with --plot {out} OUT.png")
+    else:
+        plot(out, os.path.splitext(out)[0] + ".png")
+        print(f"plot: {os.path.splitext(out)[0]}.png")
     return 1 if any("error" in r for r in results["runs"]) else 0
 
 

@@ -134,7 +134,7 @@ def main():
     parser.add_argument("--mbs", type=int, default=None, help="training micro-batch (default 2; tiny 2)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 256; tiny 64)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 256; tiny 32)")
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 128; tiny 32)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--attn", default="sdpa", help="attention implementation (sdpa: training forwards take "
@@ -144,7 +144,9 @@ def main():
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     shape = TINY if args.tiny else MINI
     seq, mbs = args.seq or (64 if args.tiny else 4096), args.mbs or 2
-    new_tokens, prompt = args.new_tokens or (64 if args.tiny else 256), args.prompt or (32 if args.tiny else 128)
+    new_tokens, prompt = args.new_tokens or (32 if args.tiny else 256), args.prompt or (32 if args.tiny else 128)
+    if args.tiny:  # a run of the script itself: one timed step is enough
+        args.warmup, args.steps = min(args.warmup, 1), min(args.steps, 1)
     attn = args.attn
     report = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "shape": "tiny" if args.tiny else "LLaDA2.0-mini", "seq": seq, "mbs": mbs, "attn": attn,

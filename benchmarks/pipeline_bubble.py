@@ -13,7 +13,7 @@ one; stages 0 and 1 on the same rank): its step time against the sum of the stag
 machinery's overhead, and its loss is checked against the unsplit model.
 
     python benchmarks/pipeline_bubble.py --out results/pipeline_bubble.json          # H200 shape
-    python benchmarks/pipeline_bubble.py --tiny --device cpu                          # smoke test
+    python benchmarks/pipeline_bubble.py --tiny                                       # CPU smoke test
 """
 
 from __future__ import annotations
@@ -124,13 +124,13 @@ def stage_times(model, p: int, batch: dict, items, repeats: int, device) -> tupl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test)")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default=None, help="default: cuda, or cpu with --tiny")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
     if args.tiny:
         shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
         args.seq = min(args.seq, 64)

@@ -94,7 +94,7 @@ def build(args):
     return model, tokenizer, device
 
 
-async def run_level(url, clients, args, vocab, rng):
+async def run_level(url, clients, args, vocab, rng, stream=True):
     import httpx
 
     timings, stop_at = [], time.monotonic() + args.level_seconds
@@ -103,14 +103,14 @@ async def run_level(url, clients, args, vocab, rng):
         for i in range(args.requests_per_client):
             if time.monotonic() > stop_at:
                 return
-            body = {"prompt": [rng.randrange(vocab - 3) for _ in range(args.prompt_tokens)], "stream": True,
+            body = {"prompt": [rng.randrange(vocab - 3) for _ in range(args.prompt_tokens)], "stream": stream,
                     "max_tokens": args.max_tokens, "block_length": args.block_length, "steps": args.steps,
                     "temperature": 0}
             start, first = time.monotonic(), None
             async with http.stream("POST", url + "/v1/completions", json=body) as response:
                 assert response.status_code == 200, await response.aread()
                 async for line in response.aiter_lines():
-                    if line.startswith("data: ") and first is None:
+                    if first is None and (line.startswith("data: ") or not stream):
                         first = time.monotonic()
             timings.append((first - start, time.monotonic() - start))
 
@@ -122,6 +122,26 @@ async def run_level(url, clients, args, vocab, rng):
         wall = time.monotonic() - start
         after = (await http.get(url + "/metrics")).text
     return timings, wall, before, after
+
+
+def engine_alone(engine, count, args, vocab, rng):
+    """Tokens/s of `count` requests like the HTTP clients' submitted at once to an engine without the server
+    (the second of two runs: the first compiles and captures)."""
+    from hf_dlm.serving.engine import GenerationRequest
+
+    for _ in range(2):
+        requests = [GenerationRequest([rng.randrange(vocab - 3) for _ in range(args.prompt_tokens)],
+                                      engine.sampling_params(max_new_tokens=-(-args.max_tokens // args.block_length)
+                                                             * args.block_length, block_length=args.block_length,
+                                                             steps=args.steps, temperature=0.0))
+                    for _ in range(count)]
+        _sync()
+        start = time.perf_counter()
+        engine.submit(requests)
+        engine.run_until_idle()
+        _sync()
+        wall = time.perf_counter() - start
+    return sum(len(r.generated) for r in requests) / wall
 
 
 def metric(text, name):
@@ -145,23 +165,28 @@ def serve_benchmark(model, tokenizer, args, report):
     try:
         asyncio.run(run_level(server.url, 2, argparse.Namespace(**{**vars(args), "requests_per_client": 1}), vocab,
                               rng))  # warm-up: kernels, allocator
+        alone = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=4096,
+                                         compile=compile_value(args))
         for clients in [int(c) for c in args.clients.split(",")]:
-            timings, wall, before, after = asyncio.run(run_level(server.url, clients, args, vocab, rng))
-            delta = {n: metric(after, n) - metric(before, n) for n in
-                     ("hf_dlm_generated_tokens_total", "hf_dlm_forward_passes_total", "hf_dlm_forward_rows_total")}
-            first = sorted(t[0] for t in timings)
-            row = {"clients": clients, "requests": len(timings), "wall_s": round(wall, 2),
-                   "requests_per_s": round(len(timings) / wall, 2),
-                   "output_tokens_per_s": round(delta["hf_dlm_generated_tokens_total"] / wall, 1),
-                   "first_block_mean_s": round(statistics.mean(first), 3),
-                   "first_block_p50_s": round(first[len(first) // 2], 3),
-                   "first_block_p90_s": round(first[min(len(first) - 1, int(0.9 * len(first)))], 3),
-                   "latency_mean_s": round(statistics.mean(t[1] for t in timings), 3),
-                   "rows_per_forward": round(delta["hf_dlm_forward_rows_total"]
-                                             / max(delta["hf_dlm_forward_passes_total"], 1), 1)}
-            report["serve"].append(row)
-            print(json.dumps(row), flush=True)
-            dump(report, args)
+            for stream in (True, False):
+                timings, wall, before, after = asyncio.run(run_level(server.url, clients, args, vocab, rng, stream))
+                delta = {n: metric(after, n) - metric(before, n) for n in
+                         ("hf_dlm_generated_tokens_total", "hf_dlm_forward_passes_total", "hf_dlm_forward_rows_total")}
+                first = sorted(t[0] for t in timings)
+                http_tps = delta["hf_dlm_generated_tokens_total"] / wall
+                engine_tps = engine_alone(alone, len(timings), args, vocab, rng)
+                row = {"clients": clients, "stream": stream, "requests": len(timings), "wall_s": round(wall, 2),
+                       "requests_per_s": round(len(timings) / wall, 2), "output_tokens_per_s": round(http_tps, 1),
+                       "engine_alone_tokens_per_s": round(engine_tps, 1), "http_over_engine": round(http_tps / engine_tps, 3),
+                       "first_block_mean_s": round(statistics.mean(first), 3),
+                       "first_block_p50_s": round(first[len(first) // 2], 3),
+                       "first_block_p90_s": round(first[min(len(first) - 1, int(0.9 * len(first)))], 3),
+                       "latency_mean_s": round(statistics.mean(t[1] for t in timings), 3),
+                       "rows_per_forward": round(delta["hf_dlm_forward_rows_total"]
+                                                 / max(delta["hf_dlm_forward_passes_total"], 1), 1)}
+                report["serve"].append(row)
+                print(json.dumps(row), flush=True)
+                dump(report, args)
     finally:
         server.stop(timeout=120)
 
@@ -269,8 +294,11 @@ def core_benchmark(model, args, report):
         options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, cache="dual",
                        temperature=0.0, stop_on_eos=False, **rule)
 
+        last_requests = []
+
         def engine_run(count, every=0):
             requests = [GenerationRequest(prompts[i].tolist(), engine.sampling_params(**options)) for i in range(count)]
+            last_requests[:] = requests
             steps_before, forwards_before = engine.stats["engine_steps"], engine.stats["forward_passes"]
             _sync()
             start, pending, step = time.perf_counter(), list(requests), 0
@@ -291,14 +319,16 @@ def core_benchmark(model, args, report):
             for _ in range(2):  # the first run compiles and captures
                 _sync()
                 start = time.perf_counter()
-                model.generate(ids, compile=compile_choice, **options)
+                out = model.generate(ids, compile=compile_choice, **options)
                 _sync()
                 generate_tps = batch * args.new_tokens / (time.perf_counter() - start)
             engine_run(batch)
             engine_tps, steps, forwards = engine_run(batch)
+            same = sum(a == b for r, row_out in zip(last_requests, out[:, args.prompt_tokens:].tolist())
+                       for a, b in zip(r.generated, row_out)) / (batch * args.new_tokens)
             row = {"setting": label, "batch": batch, "arrival": "all at once", "generate_tok_s": round(generate_tps, 1),
                    "engine_tok_s": round(engine_tps, 1), "ratio": round(engine_tps / generate_tps, 3),
-                   "engine_steps": steps, "forwards": forwards}
+                   "engine_steps": steps, "forwards": forwards, "tokens_equal_to_generate": round(same, 4)}
             report["core"].append(row)
             print(json.dumps(row), flush=True)
             dump(report, args)
@@ -380,18 +410,19 @@ def main():
         dump(report, args)
     if report["core"]:
         print("| setting | batch | arrival | generate tok/s | engine tok/s | engine / generate | steps | forwards "
-              "| vs all at once |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| vs all at once | tokens = generate |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in report["core"]:
             print(f"| {r['setting']} | {r['batch']} | {r['arrival']} | {r.get('generate_tok_s', '-')} | "
                   f"{r['engine_tok_s']} | {r.get('ratio', '-')} | {r['engine_steps']} | {r['forwards']} | "
-                  f"{r.get('ratio_to_all_at_once', '-')} |")
+                  f"{r.get('ratio_to_all_at_once', '-')} | {r.get('tokens_equal_to_generate', '-')} |")
     if report["serve"]:
-        print("| clients | requests | requests/s | output tokens/s | first block mean / p50 / p90 (s) | latency (s) "
-              "| rows/forward |")
-        print("|---|---|---|---|---|---|---|")
+        print("| clients | stream | requests | requests/s | output tokens/s | engine alone tokens/s | HTTP / engine "
+              "| first block mean / p50 / p90 (s) | latency (s) | rows/forward |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in report["serve"]:
-            print(f"| {r['clients']} | {r['requests']} | {r['requests_per_s']} | {r['output_tokens_per_s']:,} | "
+            print(f"| {r['clients']} | {r['stream']} | {r['requests']} | {r['requests_per_s']} | "
+                  f"{r['output_tokens_per_s']:,} | {r['engine_alone_tokens_per_s']:,} | {r['http_over_engine']} | "
                   f"{r['first_block_mean_s']} / {r['first_block_p50_s']} / {r['first_block_p90_s']} | "
                   f"{r['latency_mean_s']} | {r['rows_per_forward']} |")
     if report["eval"]:

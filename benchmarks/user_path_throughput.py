@@ -68,12 +68,14 @@ def write_config(path, work, a, tokenizer):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.tiny:  # seconds: 6 steps in windows of 2 (the first window, with start-up, is left out)
+        a.steps, a.logging_steps = min(a.steps, 6), min(a.logging_steps, 2)
     sys.path.insert(0, ROOT)
     from hf_dlm.data.corpus import stdlib_documents, train_bpe_tokenizer
 
     work = tempfile.mkdtemp(prefix="hf_dlm_user_path_")
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    docs = stdlib_documents(max_files=200 if a.tiny else None)
+    docs = stdlib_documents(max_files=40 if a.tiny else None)
     tokenizer = train_bpe_tokenizer(docs[:2000], vocab_size=256 + 128 if a.tiny else a.vocab)
     tokenizer.save_pretrained(os.path.join(work, "tokenizer"))
     lengths = [len(ids) + 1 for ids in tokenizer(docs[:500])["input_ids"]]

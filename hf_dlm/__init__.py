@@ -74,6 +74,7 @@ _LAZY = {
     "preprocess": ".data.preprocess",
     # parallel
     "parallelize_dlm": ".parallel.parallelize",
+    "ParallelOptions": ".parallel.parallelize",
     "apply_expert_parallel": ".parallel.expert_parallel",
     "ParallelDims": ".parallel.mesh",
     "plan_layouts": ".parallel.planner",

@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.sft_utils import flat_params, sft_trainer  # noqa: E402
+from tests.utils import flat_params, sft_trainer  # noqa: E402
 from tests.utils import StopAfter  # noqa: E402
 
 LAYOUTS = {"fsdp x tp": dict(dp_shard_size=2, tp_size=2), "fsdp x cp": dict(dp_shard_size=2, cp_size=2),

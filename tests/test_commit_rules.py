@@ -115,6 +115,8 @@ def test_editing_step_equals_llada21_on_equal_logits():
         block[torch.rand(width, generator=generator) < 0.5] = mask_id
         if trial % 4 == 0:
             block[block == mask_id] = 1  # mask-free steps edit only
+        if trial % 3 == 0:  # committed tokens the model agrees with: no edit there (a settled block)
+            block = torch.where(block == mask_id, block, logits.argmax(-1))
         prompt_in_block = [False] * width
         expected, expected_edit = llada21_step(logits, block.tolist(), prompt_in_block, 0.6, 0.5, mask_id)
         candidates = block.eq(mask_id)[None]
@@ -220,3 +222,15 @@ def test_generate_equals_the_source_loop_and_commits_several_tokens_per_forward(
         plain = model.generate(prompt[None], max_new_tokens=16, block_length=8, return_dict_in_generate=True,
                                threshold=options["threshold"])
         assert forwards > len(plain.forward_batch_sizes) + 2 and plain.sequences[0, 5:].tolist() != expected.tolist()
+
+
+def test_generate_cli_takes_the_new_rules_as_numbers():
+    import argparse
+
+    from hf_dlm.commands.generate import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--prompt", "x", "--factor", "1.5", "--entropy-bound", "0.3",
+                              "--editing-threshold", "0.5", "--max-post-steps", "4"])
+    assert (args.factor, args.entropy_bound, args.editing_threshold, args.max_post_steps) == (1.5, 0.3, 0.5, 4)

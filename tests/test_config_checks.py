@@ -65,6 +65,17 @@ def test_a_value_of_the_wrong_type_is_named_before_any_data_is_built(tmp_path, c
     assert error.value.value == value
 
 
+@pytest.mark.parametrize("field,value,expected", [
+    ("attention_mode", "sideways", "DLMConfig.attention_mode must be one of"),
+    ("hidden_size", 30, "DLMConfig.hidden_size (30) must be divisible by num_attention_heads (4)"),
+    ("moe_router", "random", "model.config.moe_router: DLMConfig.moe_router must be one of"),
+])
+def test_model_config_checks_run_before_the_data(tmp_path, capsys, data_never_built, field, value, expected):
+    path = write_config(tmp_path, model={**MODEL, "config": {**MODEL["config"], field: value}})
+    err = one_line(capsys, ["train", path])
+    assert err.startswith(f"hf-dlm train: {path}: model.config") and expected in err, err
+
+
 def test_numbers_yaml_reads_as_strings_still_pass(tmp_path, data_never_built):
     """YAML 1.1 reads 3e-4 (no dot) as a string; the check converts it for number fields before judging."""
     path = write_config(tmp_path, learning_rate="3e-4", lr_scheduler_type="cosine", resume_from_checkpoint=False)

@@ -201,3 +201,29 @@ def test_plot_renders_one_panel_per_budget(tiny_results, tmp_path):
     png = tmp_path / "crossover.png"
     assert load_benchmark().main(["--plot", str(path), str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_runner_pair_differs_only_in_attention_objective_and_output_and_trains(tmp_path):
+    from hf_dlm.training.runner import build_trainer, load_config
+
+    tiny = ["model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.num_hidden_layers=2",
+            "model.config.max_position_embeddings=32", "data.seq_len=32", "data.vocab_size=300", "data.max_files=20",
+            "training.bf16=false", "training.compile_blocks=false", "training.use_cpu=true", "training.max_steps=3",
+            "training.per_device_train_batch_size=4", "training.warmup_steps=1", "training.disable_tqdm=true"]
+    configs = {}
+    for name in ("ar", "dlm"):
+        path = os.path.join(ROOT, "examples", "crossover", f"{name}.yaml")
+        configs[name] = load_config(path, [*tiny, f"training.output_dir={tmp_path / name}"])
+    ar, dlm = configs["ar"], configs["dlm"]
+    assert {k: v for k, v in ar["model"]["config"].items() if k != "attention_mode"} == \
+        {k: v for k, v in dlm["model"]["config"].items() if k != "attention_mode"}
+    assert ar["data"] == dlm["data"]
+    differ = {k for k in set(ar["training"]) | set(dlm["training"]) if ar["training"].get(k) != dlm["training"].get(k)}
+    assert differ == {"output_dir", "objective_preset"}
+    assert (ar["model"]["config"]["attention_mode"], dlm["model"]["config"]["attention_mode"]) == ("causal", "bidirectional")
+    losses = {}
+    for name, config in configs.items():
+        trainer, _ = build_trainer(config, name)
+        assert trainer.objective.mode == ("ar" if name == "ar" else "diffusion")
+        losses[name] = trainer.train().training_loss
+    assert all(math.isfinite(v) and v > 0 for v in losses.values())

@@ -198,6 +198,7 @@ def test_eval_command_writes_results_and_names_unknown_tasks(setup, tmp_path, ca
     assert "tiny_choice" in capsys.readouterr().out
     results = json.loads(output.read_text())["results"]["tiny_choice"]
     assert 0.0 <= results["acc,none"] <= 1.0
+    assert main([*common, "--tasks", "tiny_choice", "--limit", "2", "--greedy-check", "iterative", "--subs"]) == 0
 
 
 def llada_suffix_greedy_prediction(model, prefix, target, mask_id):

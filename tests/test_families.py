@@ -423,3 +423,50 @@ def test_auto_model_loads_the_base_model(family_case):
     with torch.no_grad():
         torch.testing.assert_close(base(input_ids=IDS).last_hidden_state, lm.model(input_ids=IDS).last_hidden_state,
                                    atol=0, rtol=0)
+
+
+# config.json of the released checkpoints as published (LLaDA-8B-Instruct, LLaDA2.0-mini, Dream-v0-Instruct-7B)
+FULL_CONFIGS = {
+    "llada": {"activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0, "architectures": ["LLaDAModelLM"],
+              "attention_dropout": 0.0, "attention_layer_norm": False, "attention_layer_norm_with_affine": True,
+              "bias_for_layer_norm": False, "block_group_size": 1, "block_type": "llama", "d_model": 4096,
+              "embedding_dropout": 0.0, "embedding_size": 126464, "eos_token_id": 126081, "flash_attention": False,
+              "include_bias": False, "include_qkv_bias": False, "init_cutoff_factor": None, "init_device": "meta",
+              "init_fn": "mitchell", "init_std": 0.02, "input_emb_norm": False, "layer_norm_type": "rms",
+              "layer_norm_with_affine": True, "mask_token_id": 126336, "max_sequence_length": 4096,
+              "mlp_hidden_size": 12288, "mlp_ratio": 4, "model_type": "llada", "multi_query_attention": None,
+              "n_heads": 32, "n_kv_heads": 32, "n_layers": 32, "pad_token_id": 126081, "precision": "amp_bf16",
+              "residual_dropout": 0.0, "rms_norm_eps": 1e-05, "rope": True, "rope_full_precision": True,
+              "rope_theta": 500000.0, "scale_logits": False, "use_cache": False, "vocab_size": 126464,
+              "weight_tying": False},
+    "llada2_moe": {"architectures": ["LLaDA2MoeModelLM"], "first_k_dense_replace": 1, "head_dim": 128,
+                   "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5120,
+                   "max_position_embeddings": 32768, "model_type": "llada2_moe", "moe_intermediate_size": 512,
+                   "moe_router_enable_expert_bias": True, "n_group": 8, "use_qk_norm": True, "use_qkv_bias": False,
+                   "use_bias": False, "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 256,
+                   "num_experts_per_tok": 8, "num_hidden_layers": 20, "num_key_value_heads": 4, "num_shared_experts": 1,
+                   "output_router_logits": False, "pad_token_id": 156892, "partial_rotary_factor": 0.5,
+                   "rms_norm_eps": 1e-06, "rope_theta": 600000, "routed_scaling_factor": 2.5, "score_function": "sigmoid",
+                   "tie_word_embeddings": False, "topk_group": 4, "vocab_size": 157184, "router_dtype": "fp32",
+                   "rope_scaling": None, "use_sliding_window": False, "embedding_dropout": 0.0, "norm_head": False},
+    "Dream": {"architectures": ["DreamModel"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,
+              "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+              "mask_token_id": 151666, "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "Dream",
+              "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "pad_token_id": 151643,
+              "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": 131072,
+              "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": False, "vocab_size": 152064},
+}
+
+
+@pytest.mark.parametrize("name", list(FULL_CONFIGS))
+def test_released_configs_read_and_write_back(name, tmp_path):
+    """The released config.json files (every key, as published) read into the DLM fields and write back as read."""
+    published = FULL_CONFIGS[name]
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    config = AutoConfig.from_pretrained(tmp_path)
+    expected = {"llada": (4096, 126464, 12288, 126336), "llada2_moe": (2048, 157184, 5120, 156895),
+                "Dream": (3584, 152064, 18944, 151666)}[name]
+    assert (config.hidden_size, config.vocab_size, config.intermediate_size, config.mask_token_id) == expected
+    config.save_pretrained(tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: written.get(k, "missing") for k in published} == published

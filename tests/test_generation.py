@@ -148,6 +148,13 @@ def test_streamer_receives_the_prompt_then_the_committed_prefix():
     with pytest.raises(ValueError, match="batch of 1"):
         model.generate(torch.tensor([[1], [2]]), streamer=streamer, max_new_tokens=4)
     assert out.shape == (1, 5)
+    # token editing may still change the current block: only settled blocks are streamed
+    model = ScriptedModel(by_position([0, 5, 6, 7, 8], [0, 4, 1, 4, 1]))  # each block: left first, then right
+    for editing, expected in ((None, [[1], [5], [6], [7], [8]]), (0.5, [[1], [5, 6], [7, 8]])):
+        streamer = Collect()
+        model.generate(torch.tensor([[1]]), streamer=streamer, max_new_tokens=4, block_length=2, temperature=0.0,
+                       threshold=0.5, editing_threshold=editing)
+        assert streamer.puts == expected
 
 
 def test_sampling_helpers_filter_draw_in_float64_and_score():

@@ -114,6 +114,13 @@ def test_every_room_is_a_package_named_in_the_order():
     assert rooms == set(ROOMS)
 
 
+def test_readme_layout_lists_the_rooms_in_layering_order():
+    text = (PACKAGE.parent / "README.md").read_text()
+    layout = text[text.index("## Layout"):].split("```")[1]
+    listed = [line.split("/")[0].strip() for line in layout.splitlines() if re.match(r"^  [a-z]+/ ", line)]
+    assert listed == list(ROOMS)
+
+
 def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     """The checker itself: an import inside a function, a relative `from ..x import` and a `from hf_dlm import`
     of a lazily exported name are all found and resolved to their room."""

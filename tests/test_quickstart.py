@@ -76,7 +76,7 @@ def test_quickstart_trains_saves_a_loadable_checkpoint_and_samples(tmp_path):
     # --max-seconds bounds the whole command: training gets what the corpus and model set-up used and what
     # the evaluation, save and sample are estimated to need leave (before, training alone took max_seconds)
     budget = result["budget"]
-    assert budget["setup_seconds"] > 0 and budget["finish_seconds"] > 2.0
+    assert budget["setup_seconds"] > 0 and budget["finish_seconds"] > 3.0
     assert budget["setup_seconds"] + budget["train_seconds"] + budget["finish_seconds"] == pytest.approx(cfg.max_seconds)
     assert result["heldout_elbo_after"] < result["heldout_elbo_before"]
     assert result["undertrained"] == (result["relative_drop"] < 0.3)

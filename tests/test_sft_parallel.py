@@ -4,7 +4,6 @@ by t, first-step gradients, parameters); a checkpoint saved under FSDP2 x CP (at
 under FSDP2 x TP, from another initialisation, exactly like the uninterrupted run, and in one process too."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,22 +12,16 @@ import torch
 
 pytest.importorskip("trl")
 
-from tests.sft_utils import flat_params, logged, sft_trainer  # noqa: E402
+from tests.utils import flat_params, free_port, logged, sft_trainer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def torchrun_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft_mesh")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(_free_port()),
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
                os.path.join(ROOT, "tests", "sft_parallel_worker.py"), str(out)]
     result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

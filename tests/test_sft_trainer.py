@@ -13,7 +13,7 @@ pytest.importorskip("trl")
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from hf_dlm.training.checkpointing import FLOAT8_STATE_NAME, OBJECTIVE_NAME, STAGING_DIR  # noqa: E402
-from tests.sft_utils import flat_params, logged, sft_trainer  # noqa: E402
+from tests.utils import flat_params, logged, sft_trainer  # noqa: E402
 from tests.utils import StopAfter  # noqa: E402
 
 
@@ -92,7 +92,14 @@ def test_sft_delayed_float8_trains_and_resumes_its_amax_histories(straight, tmp_
                                torch.tensor(fp8.step_losses, dtype=torch.float64), rtol=0, atol=1e-6)
 
 
-def test_sft_compile_blocks_equals_eager(straight, tmp_path):
+def test_sft_compile_blocks_equals_eager(straight, tmp_path, monkeypatch):
+    """compile_blocks compiles every decoder layer in place through parallelize.apply_compile (here with
+    dynamo's aot_eager backend: the same graphs without inductor's minutes of C++ builds on a busy CPU)."""
+    from hf_dlm.parallel import parallelize
+
+    apply_compile = parallelize.apply_compile
+    monkeypatch.setattr(parallelize, "apply_compile",
+                        lambda model, options=None: apply_compile(model, {"backend": "aot_eager"}))
     compiled = sft_trainer(tmp_path, rows=8, max_steps=2, compile_blocks=True)
     layers = compiled.accelerator.unwrap_model(compiled.model).model.layers
     assert all(layer._compiled_call_impl is not None for layer in layers)
@@ -105,7 +112,7 @@ def test_sft_logs_throughput_mfu_and_cross_entropy_by_t(tmp_path):
     """One step, one t bucket: the logged `ce_t/0.00-1.00` (read from d loss / d label_weights) equals the
     masked tokens' mean cross-entropy of a forward pass by hand; masked_fraction counts them over real tokens;
     MFU is tokens/s x (6N + 12 L h s) / peak."""
-    trainer = sft_trainer(tmp_path, rows=8, max_steps=1, t_buckets=1, peak_flops=1e9)
+    trainer = sft_trainer(tmp_path, rows=8, max_steps=1, per_device_train_batch_size=8, t_buckets=1, peak_flops=1e9)
     model = trainer.accelerator.unwrap_model(trainer.model)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     seen = []
@@ -124,6 +131,7 @@ def test_sft_logs_throughput_mfu_and_cross_entropy_by_t(tmp_path):
     assert masked.sum() > 0
     assert log["ce_t/0.00-1.00"] == pytest.approx(float(ce / masked.sum()), rel=1e-4)
     real = int(inputs["attention_mask"].sum())
+    assert real < inputs["attention_mask"].numel()  # rows of several lengths: padding, excluded
     assert log["masked_fraction"] == pytest.approx(float(masked.sum()) / real, rel=1e-6)
     config, length = model.config, inputs["input_ids"].shape[1]
     flops = 6 * sum(p.numel() for p in model.parameters()) + 12 * config.num_hidden_layers * config.hidden_size * length
@@ -143,7 +151,7 @@ def test_one_spelling_per_setting_in_both_trainers_arguments(tmp_path):
     from hf_dlm.data.sft_data import SFTDataConfig
     from hf_dlm.training.training_args import DLMTrainingArguments
     from hf_dlm.utils.errors import FieldError
-    from tests.sft_utils import sft_config
+    from tests.utils import sft_config
 
     config = DLMConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                        num_key_value_heads=2, mask_token_id=31)

@@ -181,9 +181,10 @@ def random_dataset(n: int = 24, seed: int = 0) -> TokenWindowDataset:
     return TokenWindowDataset(torch.randint(0, VOCAB - 1, (n, SEQ_LEN), generator=generator))
 
 
-class RecordingTrainer(DLMTrainer):
-    """Records the loss of every optimizer step (sum of its micro-batch losses, as the Trainer does),
-    the sample indices it drew and the gradients just before each optimizer step."""
+class StepRecorder:
+    """Mixed into a diffusion trainer (DLMTrainer, DLMSFTTrainer): records the loss of every optimizer step
+    (sum of its micro-batch losses, as the Trainer does), the sample indices it drew, its batches and the
+    gradients just before each optimizer step."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -208,6 +209,10 @@ class RecordingTrainer(DLMTrainer):
             model = self.accelerator.unwrap_model(self.model)
             self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
         return loss
+
+
+class RecordingTrainer(StepRecorder, DLMTrainer):
+    pass
 
 
 def window_stream(ids: torch.Tensor, seed: int = 0):
@@ -367,3 +372,55 @@ def wait_until_serving(process, url: str, timeout: float = 120):
                 return
         except httpx.TransportError:
             time.sleep(0.2)
+
+
+# -- DLMSFTTrainer on the toy 'reverse the digits' task (single process and the torchrun worker) ----------
+def sft_model(tokenizer, seed: int = 0) -> DLMForDiffusionLM:
+    torch.manual_seed(seed)
+    config = DLMConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, mask_token_id=tokenizer.mask_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       max_position_embeddings=64, attn_implementation="sdpa")
+    return DLMForDiffusionLM(config).train()
+
+
+def sft_rows(n: int, seed: int = 3):
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in reverse_rows(n, seed)])
+
+
+@functools.cache
+def recording_sft_trainer_class():
+    """DLMSFTTrainer with StepRecorder (each optimizer step's loss, the noise keys drawn, the first step's
+    gradients). Built on first use: importing DLMSFTTrainer imports trl."""
+    from hf_dlm.training.sft_trainer import DLMSFTTrainer
+
+    class RecordingSFTTrainer(StepRecorder, DLMSFTTrainer):
+        pass
+
+    return RecordingSFTTrainer
+
+
+def sft_config(output_dir, **overrides):
+    """Adam with a constant, non-zero learning rate; EOS padding off (the padded length, so the data, would
+    depend on how rows are split into micro-batches and ranks)."""
+    from hf_dlm.training.sft_config import DLMSFTConfig
+
+    options = dict(output_dir=str(output_dir), use_cpu=True, report_to="none", bf16=False, save_strategy="no",
+                   disable_tqdm=True, seed=0, logging_steps=1, max_steps=4, per_device_train_batch_size=4,
+                   learning_rate=1e-2, lr_scheduler_type="constant", max_length=16, padding_policy="exclude",
+                   dataloader_num_workers=0, max_grad_norm=0.5)
+    options.update(overrides)
+    return DLMSFTConfig(**options)
+
+
+def sft_trainer(output_dir, rows: int = 16, model_seed: int = 0, tokenizer=None, **overrides):
+    tokenizer = tokenizer or digit_tokenizer()
+    return recording_sft_trainer_class()(model=sft_model(tokenizer, model_seed),
+                                         args=sft_config(output_dir, **overrides),
+                                         train_dataset=sft_rows(rows), processing_class=tokenizer)
+
+
+def logged(trainer, key: str, after_step: int = 0) -> list:
+    return [log[key] for log in trainer.state.log_history if key in log and log.get("step", 0) > after_step]

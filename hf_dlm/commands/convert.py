@@ -55,7 +55,7 @@ def run(args) -> int:
                           commit_message=f"hf-dlm convert --from {family}")
         except Exception as error:  # offline, no token, no such namespace: the conversion itself is done
             raise OSError(f"the converted folder {destination} is complete, but the upload to {args.push_to_hub} "
-                          f"failed: {error}; push it later with `huggingface-cli upload {args.push_to_hub} "
+                          f"failed: {error}; push it later with `hf upload {args.push_to_hub} "
                           f"{destination}`") from error
         print(f"uploaded {destination} to {args.push_to_hub}")
     return 0

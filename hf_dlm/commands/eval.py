@@ -31,6 +31,11 @@ def add_arguments(parser):
     parser.add_argument("--cache", default=None, choices=("none", "prefix", "dual"),
                         help="generate_until KV cache (Fast-dLLM's, approximate for bidirectional models)")
     parser.add_argument("--apply-chat-template", action="store_true", help="wrap prompts with the chat template")
+    parser.add_argument("--greedy-check", default="one_forward", choices=("one_forward", "iterative"),
+                        help="is_greedy: one forward with the continuation masked, or LLaDA's iterative "
+                             "suffix_greedy_prediction (one forward per continuation token)")
+    parser.add_argument("--subs", action="store_true",
+                        help="the model was trained with MDLM's SUBS (the mdlm preset): [MASK] out of the softmax")
     parser.add_argument("--output", default=None, help="write the results JSON here")
 
 
@@ -47,7 +52,8 @@ def run(args) -> int:
     model = DLMEvalHarness(pretrained=args.model, peft=args.peft, device=args.device, dtype=args.dtype,
                            batch_size=args.batch_size, mc_num=args.mc_num, seed=args.seed,
                            max_gen_toks=args.max_gen_toks, block_length=args.block_length, steps=args.steps,
-                           threshold=args.threshold, cache=args.cache)
+                           threshold=args.threshold, cache=args.cache, greedy_check=args.greedy_check,
+                           subs=args.subs)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     manager = TaskManager(include_path=args.include_path, include_defaults=not args.only_include_path)
     missing = [t for t in tasks if t not in manager.all_tasks]

@@ -32,7 +32,8 @@ def add_arguments(parser):
     for name, (kind, help_text) in SAMPLING_OPTIONS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
                             help=f"{help_text} (default: the model's generation config)")
-    kinds = {"steps": int, "block_length": int, "cfg_scale": float, "threshold": float, "mask_token_id": int}
+    kinds = {"steps": int, "block_length": int, "cfg_scale": float, "threshold": float, "mask_token_id": int,
+             "factor": float, "entropy_bound": float, "editing_threshold": float, "max_post_steps": int}
     choices = {"remasking": REMASKING, "cache": CACHE_MODES, "compile": tuple(COMPILE_CHOICES)}
     for name, (default, help_text) in DLM_GENERATION_FIELDS.items():
         flag = f"--{name.replace('_', '-')}"

@@ -192,6 +192,12 @@ def load_as_dlm(family: str, source: str | os.PathLike, options: ConversionOptio
         state_dict.pop("lm_head.weight", None)
 
     if options.mask_token_id is not None:
+        if not 0 <= options.mask_token_id < config_options["vocab_size"]:
+            from ..utils.errors import FieldError
+
+            raise FieldError("mask_token_id", f"--mask-token-id {options.mask_token_id} is not a token of {source} "
+                             f"(vocabulary 0..{config_options['vocab_size'] - 1}); pass an id inside it, or leave "
+                             f"it out to add a mask token", options.mask_token_id)
         config_options["mask_token_id"] = options.mask_token_id
         record["mask_token"] = f"existing id {options.mask_token_id}"
     elif config_options.get("mask_token_id") is None:

@@ -396,9 +396,14 @@ class DiffusionSampler:
                 if streamer is not None:
                     pending = canvas[0, prompt_len:].eq(mask_id).nonzero()
                     ready = int(pending[0]) if len(pending) else new_tokens
+                    if editing:  # the current block's tokens may still be edited: stream finished blocks only
+                        ready = min(ready, start - prompt_len)
                     if ready > streamed:
                         streamer.put(canvas[0, prompt_len + streamed : prompt_len + ready].cpu())
                         streamed = ready
+            if editing and streamer is not None and end - prompt_len > streamed:  # the block is settled
+                streamer.put(canvas[0, prompt_len + streamed : end].cpu())
+                streamed = end - prompt_len
             if self.exact_cache:
                 query_floor = query_lo
             if cfg.stop_on_eos and self.eos_ids and end < total:

@@ -123,7 +123,7 @@ def run_quickstart(cfg: QuickstartConfig, log=print, started_at: float | None = 
     n_params = sum(p.numel() for p in model.parameters())
     model.eval()
     eval_start = time.perf_counter()
-    before = elbo_nll(model, heldout, mc_num=cfg.mc_num, seed=cfg.seed)["nll_per_token"]
+    before = elbo_nll(model, heldout, mc_num=cfg.mc_num, seed=cfg.seed, subs=objective.subs)["nll_per_token"]
     eval_seconds = time.perf_counter() - eval_start
     log(f"model: {n_params / 1e6:.2f}M parameters; held-out ELBO at init: {before:.3f} nats/token")
     with torch.no_grad():  # one sampler forward, to budget the sample (one forward per new token)
@@ -132,17 +132,21 @@ def run_quickstart(cfg: QuickstartConfig, log=print, started_at: float | None = 
         forward_start = time.perf_counter()
         model(input_ids=probe)
         sample_seconds = (time.perf_counter() - forward_start) * cfg.max_new_tokens
-    finish_seconds = eval_seconds + sample_seconds + 2.0  # + save and reload
+    # the final evaluation, sample, save and reload, with headroom: on a busy machine a second evaluation
+    # took up to twice the first (measured: 237 s for a 220 s budget with 1x)
+    finish_seconds = 2 * eval_seconds + sample_seconds + 3.0
     setup_seconds = time.perf_counter() - run_start
     train_budget = max(0.0, cfg.max_seconds - setup_seconds - finish_seconds)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
     order = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(cfg.seed))
     model.train()
-    start, step, losses = time.perf_counter(), 0, []
+    start, step, losses, step_seconds = time.perf_counter(), 0, [], 0.0
     bar = tqdm(total=max(1, round(train_budget)), unit="s", desc="training",
                bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
-    while step < cfg.max_steps and (elapsed := time.perf_counter() - start) < train_budget:
+    # a step starts only if it can end within the budget (the last one's duration as the estimate)
+    while step < cfg.max_steps and (elapsed := time.perf_counter() - start) + step_seconds < train_budget:
+        step_start = time.perf_counter()
         # warmup then cosine decay over the time budget
         progress = min(elapsed / max(train_budget, 1e-9), 1.0)
         lr = cfg.learning_rate * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -157,6 +161,7 @@ def run_quickstart(cfg: QuickstartConfig, log=print, started_at: float | None = 
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         step += 1
+        step_seconds = time.perf_counter() - step_start
         if step % 10 == 0:
             bar.set_postfix(step=step, loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}", refresh=False)
             bar.update(min(time.perf_counter() - start, bar.total) - bar.n)  # never past the total
@@ -166,7 +171,7 @@ def run_quickstart(cfg: QuickstartConfig, log=print, started_at: float | None = 
     train_seconds = time.perf_counter() - start
 
     model.eval()
-    after = elbo_nll(model, heldout, mc_num=cfg.mc_num, seed=cfg.seed)["nll_per_token"]
+    after = elbo_nll(model, heldout, mc_num=cfg.mc_num, seed=cfg.seed, subs=objective.subs)["nll_per_token"]
     model.save_pretrained(cfg.output_dir)
     tokenizer.save_pretrained(cfg.output_dir)
 

@@ -31,6 +31,7 @@ from ..utils.typecheck import conforms, expected, field_types
 SECTIONS = ("model", "data", "training")
 MODEL_KEYS = ("name_or_path", "config", "attn_implementation", "dtype")
 DEFAULT_OUTPUT_DIR = "outputs/pretrain"
+DATA_IDS = ("vocab_size", "mask_token_id", "eos_token_id", "pad_token_id")  # what a data builder may fill in
 
 
 @functools.lru_cache(maxsize=1)
@@ -149,10 +150,38 @@ def build_model(model: dict, model_options: dict, path: str = "config"):
                                                     **model_options)
     try:
         config = DLMConfig(**model_options)
-    except (TypeError, ValueError) as error:
-        raise ConfigError(f"{path}: model.config: {error}") from None
+    except Exception as raised:  # noqa: BLE001 (unwrapped; anything else is re-raised)
+        raise _model_config_error(raised, path) from None
     config._attn_implementation = attn
     return DLMForDiffusionLM(config).to(dtype)
+
+
+def _check_model_config_early(model_options: dict, path: str) -> None:
+    """DLMConfig's own checks (divisibility, modes, routing) on the section as written, before the data is
+    built; the token ids the data may still fill in (vocabulary, mask / eos / pad) are checked after it."""
+    from ..modeling import DLMConfig
+
+    trial = {name: value for name, value in model_options.items() if name not in DATA_IDS}
+    try:
+        DLMConfig(**trial)
+    except Exception as raised:  # noqa: BLE001 (unwrapped below; anything else is re-raised)
+        raise _model_config_error(raised, path) from None
+
+
+def _model_config_error(raised: Exception, path: str) -> Exception:
+    """DLMConfig's own error as one ConfigError line. huggingface_hub's strict dataclasses wrap a validator's
+    ValueError in StrictDataclassClassValidationError (not a ValueError); the original is its cause."""
+    from ..utils.errors import FieldError
+
+    error = raised
+    while not isinstance(error, (TypeError, ValueError)) and error.__cause__ is not None:
+        error = error.__cause__
+    if isinstance(error, FieldError):
+        return ConfigError(f"{path}: model.config.{error.field}: {error}", field=f"model.config.{error.field}",
+                           value=error.value)
+    if isinstance(error, (TypeError, ValueError)):
+        return ConfigError(f"{path}: model.config: {error}")
+    return raised
 
 
 def build_training_args(training: dict, path: str = "config"):
@@ -209,6 +238,8 @@ def build_trainer(config: dict, path: str = "config"):
     check_model_section(model_section, model_options, path)
     # the data's tokenizer fills the ids a model built from its config lacks; a checkpoint keeps its own
     # (a vocabulary taken from the tokenizer would silently resize it), and is checked against it below
+    if not model_section.get("name_or_path"):
+        _check_model_config_early(model_options, path)
     data_model_options = dict(model_options)
     data = build_data(config.get("data", {"kind": "corpus"}), data_model_options, path)
     if not model_section.get("name_or_path"):

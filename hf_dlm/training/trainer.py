@@ -49,6 +49,12 @@ class DLMTrainer(DiffusionBatchMixin, CheckpointingMixin, PipelineTrainingMixin,
         if _needs_sample_index(train_dataset):
             train_dataset = _IndexedSamples(train_dataset)
             self._epoch_stride = len(train_dataset)  # noise key = epoch * len(dataset) + dataset index
+        # a plain eval dataset (or a dict of them) gets its dataset index as the key: the same masks at every
+        # evaluation, so evaluations compare
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {name: _IndexedSamples(d) if _needs_sample_index(d) else d for name, d in eval_dataset.items()}
+        elif _needs_sample_index(eval_dataset):
+            eval_dataset = _IndexedSamples(eval_dataset)
         if data_collator is None:
             data_collator = DLMDataCollator(pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
         if (isinstance(data_collator, DLMDataCollator) and data_collator.state_source is None

@@ -105,7 +105,7 @@ class LLaDA2MoeConfig(FamilyConfig):
         return kwargs
 
     def write_published(self, output):
-        for key in ("attention_bias", "moe_router", "mlp_only_layers", "moe_router_enable_expert_bias"):
+        for key in ("attention_bias", "moe_router", "mlp_only_layers"):
             output.pop(key, None)
         output["first_k_dense_replace"] = len(self.mlp_only_layers)
         output["use_bias"] = self.attention_bias

@@ -234,3 +234,17 @@ def test_generate_cli_takes_the_new_rules_as_numbers():
     args = parser.parse_args(["--model", "m", "--prompt", "x", "--factor", "1.5", "--entropy-bound", "0.3",
                               "--editing-threshold", "0.5", "--max-post-steps", "4"])
     assert (args.factor, args.entropy_bound, args.editing_threshold, args.max_post_steps) == (1.5, 0.3, 0.5, 4)
+
+
+def test_threshold_and_editing_boundaries_by_hand():
+    """At a confidence exactly equal to the threshold (0.5, 0.25: exact in binary): Fast-dLLM commits
+    (>=), LLaDA2.1's strict form does not; LLaDA2.1 edits only where p > editing_threshold."""
+    from hf_dlm.generation.commit_rules import editing_commits, threshold_commits
+
+    confidence = torch.tensor([[0.5, 0.25, 0.75]])
+    assert threshold_commits(confidence, 0.5).tolist() == [[True, False, True]]
+    assert threshold_commits(confidence, 0.5, strict=True).tolist() == [[False, False, True]]
+    probability = torch.tensor([[0.5, 0.75, 0.75]])
+    x0, current = torch.tensor([[1, 2, 3]]), torch.tensor([[0, 0, 3]])
+    editable = torch.ones(1, 3, dtype=torch.bool)
+    assert editing_commits(probability, x0, current, editable, 0.5).tolist() == [[False, True, False]]

@@ -3,6 +3,7 @@ training/checkpointing.py): atomic checkpoints and exact resume across an epoch 
 delayed recipe, its amax histories restored on resume), per-block compile, and tokens/s, MFU and
 masked-token cross-entropy by t in the logs (the latter checked against a forward pass by hand)."""
 
+import math
 import os
 
 import pytest
@@ -13,7 +14,7 @@ pytest.importorskip("trl")
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from hf_dlm.training.checkpointing import FLOAT8_STATE_NAME, OBJECTIVE_NAME, STAGING_DIR  # noqa: E402
-from tests.utils import flat_params, logged, sft_trainer  # noqa: E402
+from tests.utils import digit_tokenizer, flat_params, logged, sft_trainer  # noqa: E402
 from tests.utils import StopAfter  # noqa: E402
 
 
@@ -192,3 +193,60 @@ def test_one_spelling_per_setting_in_both_trainers_arguments(tmp_path):
     with pytest.raises(FieldError, match="padding_policy must be one of") as error:
         sft_config(tmp_path, padding_policy="left")
     assert error.value.field == "padding_policy"
+
+
+def _llada_elbo_by_hand(model, batches, mc_num: int, seed: int) -> tuple[float, int]:
+    """LLaDA's ELBO estimator written out: batch k (rows of token lists, scored positions) draws with
+    Generator(seed + k); draw j of a batch: u_b = (j + U[0, 1)) / mc_num, l_b = min(floor(u_b n_b) + 1, n_b)
+    masked scored positions, the l_b with the smallest of a row of U[0, 1) keys (unscored positions get key 2),
+    keys drawn for the batch's padded (B, L) shape; a row's bound is the mean over draws of
+    (n_b / l_b) * sum of the masked positions' cross-entropy, read from one unpadded forward of that row alone."""
+    total, tokens = 0.0, 0
+    for k, rows in enumerate(batches):
+        generator = torch.Generator().manual_seed(seed + k)
+        width = max(len(ids) for ids, _ in rows)
+        n = [len(scored) for _, scored in rows]
+        bounds = [0.0] * len(rows)
+        for j in range(mc_num):
+            u = (j + torch.rand(len(rows), generator=generator)) / mc_num
+            keys = torch.rand(len(rows), width, generator=generator)
+            for b, (ids, scored) in enumerate(rows):
+                count = min(math.floor(float(u[b]) * n[b]) + 1, n[b])
+                row_keys = {p: float(keys[b, p]) for p in scored}
+                masked = sorted(scored, key=lambda p: row_keys[p])[:count]
+                noisy = torch.tensor([model.config.mask_token_id if p in masked else t for p, t in enumerate(ids)])
+                with torch.no_grad():
+                    logp = torch.log_softmax(model.denoising_logits(noisy[None]).double()[0], -1)
+                bounds[b] += n[b] / count * -sum(float(logp[p, ids[p]]) for p in masked) / mc_num
+        total, tokens = total + sum(bounds), tokens + sum(n)
+    return total / tokens, tokens
+
+
+def test_sft_evaluate_reports_the_elbo_over_the_completion_tokens(tmp_path):
+    """`evaluate` is DLMTrainer's seeded, stratified ELBO bound (the shared mixin's), scored on what SFT trains
+    on: the completion and its EOS, never the prompt. Checked against the estimator written out by hand on
+    rows tokenized by hand; a dataset handed to evaluate is prepared as trl prepares its own, and the trainer's
+    training metrics are not swept into the evaluation log."""
+    from datasets import Dataset
+
+    tokenizer = digit_tokenizer()
+    pairs = [("12", "21"), ("345", "543"), ("9", "9")]
+    trainer = sft_trainer(tmp_path, rows=8, tokenizer=tokenizer, per_device_eval_batch_size=2, eval_mc_num=3,
+                          eval_seed=11)
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    assert not trainer.objective.subs
+    rows = []
+    for prompt, completion in pairs:
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = prompt_ids + tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((ids, list(range(len(prompt_ids), len(ids)))))  # scored: the completion and its EOS
+    expected, tokens = _llada_elbo_by_hand(model, [rows[:2], rows[2:]], mc_num=3, seed=11)
+    assert tokens == 3 + 4 + 2
+    trainer._metrics["train"]["supervised_fraction"].append(0.5)  # a training window in progress
+    model.train()
+    metrics = trainer.evaluate(Dataset.from_list([{"prompt": p, "completion": c} for p, c in pairs]))
+    assert metrics["eval_num_tokens"] == tokens
+    assert metrics["eval_loss"] == metrics["eval_nll_per_token"] == pytest.approx(expected, rel=1e-5)
+    assert metrics["eval_perplexity_bound"] == pytest.approx(math.exp(expected), rel=1e-5)
+    assert model.training and trainer._metrics["train"]["supervised_fraction"] == [0.5]
+    assert "supervised_fraction" not in trainer.state.log_history[-1]

@@ -8,7 +8,8 @@ the chat template, packing); these hooks change:
   restarting `position_ids` (the DLM masks attention per document) instead of trl's single flattened row.
 - the diffusion hooks are `DLMTrainer`'s own (`diffusion_batch.DiffusionBatchMixin`): an optimizer step's
   micro-batches corrupted together with the loss normaliser counted over all of them and all ranks, device
-  meshes, float8 and per-block compile, tokens/s, MFU and CE-by-t logging; checkpoints are
+  meshes, float8 and per-block compile, tokens/s, MFU and CE-by-t logging, and `evaluate` reporting the ELBO
+  bound over the completion tokens (not trl's loss on corrupted batches); checkpoints are
   `checkpointing.CheckpointingMixin`'s (atomic, DCP under a mesh, data position and float8 resume).
   trl's causal fused LM head is never installed (`without_causal_lm_head`); handing a DLM to trl's plain
   `SFTTrainer` raises.
@@ -112,6 +113,15 @@ class DLMSFTTrainer(DiffusionBatchMixin, CheckpointingMixin, SFTTrainer):
         if "sample_index" in (dataset.column_names or []):
             return dataset
         return dataset.map(lambda _, index: {"sample_index": index}, with_indices=True)
+
+    def _evaluation_set(self, eval_dataset):
+        """A set handed to `evaluate` is prepared as trl prepares the trainer's own (tokenized, templated, packed
+        with eval_packing), as `SFTTrainer.evaluate` does; a name picks one prepared at __init__."""
+        if eval_dataset is None or isinstance(eval_dataset, str) or self._skip_prepare_dataset:
+            return eval_dataset
+        packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
+        return self._prepare_dataset(eval_dataset, self.processing_class, self.args, packing, self._formatting_func,
+                                     "eval")
 
     def _batch_metrics(self, stats: dict, training: bool) -> None:
         """trl's per-mode metrics: the supervised fraction and trl's token count (training), the masked

@@ -1,25 +1,20 @@
 """`DLMTrainer`: `transformers.Trainer` for masked-diffusion LMs, overriding narrow hooks, not the loop.
 
 The diffusion hooks (batch corruption and the global loss normaliser, the loss, throughput / MFU / CE-by-t
-statistics, device-mesh set-up) are `diffusion_batch.DiffusionBatchMixin`, shared with `DLMSFTTrainer`;
+statistics, device-mesh set-up, `evaluate` with the ELBO bound) are `diffusion_batch.DiffusionBatchMixin`,
+shared with `DLMSFTTrainer`;
 checkpoints (atomic staged saves, DCP routing, data-position and float8 resume) are
 `checkpointing.CheckpointingMixin`. Here: the pretraining data path (map-style datasets get sample indices,
-streams report their position), `evaluate` with the ELBO bound (`elbo.elbo_nll`) instead of the training
-loss, and the model card of the final save.
+streams report their position) and the model card of the final save.
 """
 
 from __future__ import annotations
 
-import math
-import time
-
-import torch
 from torch.utils.data import Dataset, IterableDataset
 from transformers import Trainer
 from transformers.utils import logging
 
-from ..data.collator import DATA_STATE_KEY, DLMDataCollator
-from ..diffusion.elbo import elbo_nll
+from ..data.collator import DLMDataCollator
 from ..diffusion.objective import MaskedDiffusionObjective
 from .checkpointing import DATA_STATE_NAME, FLOAT8_STATE_NAME, OBJECTIVE_NAME, STAGING_DIR, CheckpointingMixin
 from .diffusion_batch import STATS_KEY, DiffusionBatchMixin, antithetic_group, corrupted_model_inputs
@@ -68,42 +63,6 @@ class DLMTrainer(DiffusionBatchMixin, CheckpointingMixin, PipelineTrainingMixin,
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)
         self._finish_diffusion_setup(model, objective)
-
-    # -- evaluation -----------------------------------------------------------------------------------
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
-        """ELBO bound on the NLL of the evaluation set (nats per scored token, summed over ranks)."""
-        if self._pipeline is not None:
-            raise NotImplementedError("evaluate with pp_size > 1: the ELBO runs the whole model; evaluate a saved "
-                                      "checkpoint with pp_size=1 (the checkpoints load in any layout)")
-        start = time.perf_counter()
-        dataloader = self.get_eval_dataloader(eval_dataset)
-        model = self.accelerator.unwrap_model(self.model)
-        was_training = model.training
-        model.eval()
-        nll_sum = torch.zeros((), dtype=torch.float64, device=self.args.device)
-        num_tokens = torch.zeros((), dtype=torch.float64, device=self.args.device)
-        with self.accelerator.autocast():
-            for step, batch in enumerate(dataloader):
-                batch.pop(DATA_STATE_KEY, None)
-                result = elbo_nll(model, batch["input_ids"], batch.get("attention_mask"), batch.get("prompt_mask"),
-                                  mc_num=self.args.eval_mc_num, seed=self.args.eval_seed + step,
-                                  batch_size=batch["input_ids"].shape[0], position_ids=batch.get("position_ids"),
-                                  subs=self.objective.subs)
-                nll_sum += result["per_sequence"].sum().to(nll_sum.device)
-                num_tokens += result["num_tokens"]
-        model.train(was_training)
-        totals = torch.stack([nll_sum, num_tokens])
-        if self.accelerator.num_processes > 1:
-            totals = self.accelerator.reduce(totals, reduction="sum")
-        nll = float(totals[0] / totals[1].clamp(min=1))
-        runtime = time.perf_counter() - start
-        metrics = {f"{metric_key_prefix}_loss": nll, f"{metric_key_prefix}_nll_per_token": nll,
-                   f"{metric_key_prefix}_perplexity_bound": math.exp(min(nll, 700.0)),
-                   f"{metric_key_prefix}_num_tokens": float(totals[1]), f"{metric_key_prefix}_runtime": runtime}
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        self._paused += runtime  # evaluation time is not training throughput
-        return metrics
 
     def training_details(self) -> dict:
         """What the model card's "Training details" table records about this run."""

@@ -108,8 +108,8 @@ class ObjectiveArguments:
 @dataclass
 class DiffusionTrainingFields:
     """What every diffusion trainer reads besides the objective (a mixin of both trainers' arguments):
-    throughput statistics, float8 / compile / residual precision (through hf_dlm.parallel.parallelize) and
-    the output-folder guard."""
+    throughput statistics, float8 / compile / residual precision (through hf_dlm.parallel.parallelize), the
+    ELBO evaluation and the output-folder guard."""
 
     peak_flops: float = field(
         default=989e12,
@@ -150,6 +150,11 @@ class DiffusionTrainingFields:
         metadata={"help": "torch.compile each decoder block separately (torchtitan's per-block compile), applied by "
                           "hf_dlm.parallel.parallelize."},
     )
+    eval_mc_num: int = field(
+        default=8, metadata={"help": "Monte Carlo draws per sequence of the ELBO bound that `evaluate` reports "
+                                     "(over the scored tokens: all real tokens, or the completion in SFT)."})
+    eval_seed: int = field(default=0, metadata={"help": "Seed of the ELBO evaluation's masking draws (batch k: "
+                                                        "eval_seed + k)."})
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Train into an output_dir that already holds checkpoints without resuming from them (they "
@@ -173,14 +178,12 @@ class DiffusionTrainingFields:
             fail("low_precision_residual", "False unless bf16 or fp16 is set (it acts under autocast)")
         if not isinstance(self.compile_blocks, bool):
             fail("compile_blocks", "a bool")
+        if self.eval_mc_num < 1:
+            fail("eval_mc_num", ">= 1")
 
 
 @dataclass
 class DLMTrainingArguments(ObjectiveArguments, DiffusionTrainingFields, ParallelArguments, TrainingArguments):
-    # -- evaluation --------------------------------------------------------------------------------
-    eval_mc_num: int = field(
-        default=8, metadata={"help": "Monte Carlo draws per sequence of the ELBO bound used for evaluation."})
-    eval_seed: int = field(default=0, metadata={"help": "Seed of the ELBO evaluation's masking draws."})
     # -- pipeline parallel (hf_dlm.parallel.pipeline) -------------------------------------------
     pp_size: int = field(
         default=1,
@@ -234,8 +237,6 @@ class DLMTrainingArguments(ObjectiveArguments, DiffusionTrainingFields, Parallel
                 fail(name, ">= 1")
         self._validate_objective_fields()
         self._validate_diffusion_fields()
-        if self.eval_mc_num < 1:
-            fail("eval_mc_num", ">= 1")
         if not self.average_tokens_across_devices:
             # DLMTrainer always normalises by the global number of supervised items (exact accumulation)
             fail("average_tokens_across_devices", "True (the loss is normalised over all ranks)")

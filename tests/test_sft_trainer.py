@@ -51,6 +51,34 @@ def test_sft_resume_reproduces_the_uninterrupted_run(straight, tmp_path):
     torch.testing.assert_close(flat_params(resumed.model), flat_params(straight.model), rtol=0, atol=1e-6)
 
 
+def test_sft_streaming_resume_continues_from_the_saved_stream_position(tmp_path):
+    """A streaming train set (datasets.IterableDataset) resumes from the position saved in the checkpoint:
+    6 steps of 4 over 8 streamed rows (3 passes) interrupted after step 3 (mid second pass) give the same
+    batches, losses and parameters as the uninterrupted run, and rows are keyed pass * 2**40 + row."""
+    from hf_dlm.data.hf_stream import EPOCH_STRIDE, HFRowStream
+    from hf_dlm.training.checkpointing import DATA_STATE_NAME
+
+    options = dict(rows=8, streaming=True, max_steps=6, save_strategy="steps", save_steps=3)
+    straight = sft_trainer(tmp_path / "straight", **options)
+    assert isinstance(straight.train_dataset, HFRowStream)
+    straight.train()
+    assert sorted(straight.sample_indices) == [p * EPOCH_STRIDE + row for p in range(3) for row in range(8)]
+    first = sft_trainer(tmp_path / "split", **options)
+    first.add_callback(StopAfter(3))
+    first.train()
+    state = torch.load(tmp_path / "split" / "checkpoint-3" / DATA_STATE_NAME.format(rank=0), weights_only=True)
+    assert (state["epoch"], state["row"]) == (1, 4)
+    resumed = sft_trainer(tmp_path / "split", model_seed=1, **options)
+    resumed.train(resume_from_checkpoint=True)
+    assert first.sample_indices + resumed.sample_indices == straight.sample_indices
+    for got, want in zip(first.batches + resumed.batches, straight.batches, strict=True):
+        for key in ("input_ids", "labels"):
+            assert all(torch.equal(g[key], w[key]) for g, w in zip(got, want, strict=True))
+    torch.testing.assert_close(torch.tensor(first.step_losses + resumed.step_losses, dtype=torch.float64),
+                               torch.tensor(straight.step_losses, dtype=torch.float64), rtol=0, atol=1e-6)
+    torch.testing.assert_close(flat_params(resumed.model), flat_params(straight.model), rtol=0, atol=1e-6)
+
+
 def test_sft_interrupted_save_leaves_the_previous_checkpoint(straight, tmp_path):
     trainer = sft_trainer(tmp_path, rows=8, max_steps=6, save_strategy="steps", save_steps=3)
 

@@ -2,7 +2,9 @@
 
 trl prepares the data exactly as for an AR model (language modelling, prompt-completion, conversational with
 the chat template, packing); these hooks change:
-- `_prepare_dataset` adds `sample_index` (the row number), the key of the row's diffusion noise.
+- `_prepare_dataset` adds `sample_index` (the row number), the key of the row's diffusion noise; a streaming
+  (`datasets.IterableDataset`) train set is read through `HFRowStream`: rows keyed by pass and row number,
+  its position saved in every checkpoint and restored on resume (no batches skipped by re-reading them).
 - the collator (`DLMSFTCollator`, wrapping trl's) turns trl's labels into `prompt_mask` (real tokens trl does
   not supervise: never noised, no loss), applies the EOS-padding policy and keeps packed rows as rows with
   restarting `position_ids` (the DLM masks attention per document) instead of trl's single flattened row.
@@ -27,13 +29,19 @@ from ..utils.import_utils import require
 
 require("trl", "DLMSFTTrainer")
 
+from datasets import IterableDataset  # noqa: E402
+from transformers.utils import logging  # noqa: E402
 from trl import SFTTrainer  # noqa: E402
 
+from ..data.collator import DATA_STATE_KEY  # noqa: E402
+from ..data.hf_stream import HFRowStream  # noqa: E402
 from ..modeling.loss import IGNORE_INDEX  # noqa: E402
 from .sft_config import DLMSFTConfig  # noqa: E402
 from .checkpointing import CheckpointingMixin  # noqa: E402
 from .diffusion_batch import DiffusionBatchMixin  # noqa: E402
 from .trl_compat import ensure_mask_token, load_dlm, without_causal_lm_head  # noqa: E402
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -45,6 +53,7 @@ class DLMSFTCollator:
     inner: Any
     eos_token_id: int
     padding_policy: str = "eos"
+    state_source: Any = None  # a stream with state_dict(): batches carry its position (as DLMDataCollator's)
 
     def __call__(self, examples: list[dict]) -> dict:
         indices = torch.tensor([int(example.pop("sample_index")) for example in examples], dtype=torch.long)
@@ -64,6 +73,8 @@ class DLMSFTCollator:
         out["prompt_mask"] = attention_mask & ~supervised  # (B, L): real tokens trl does not train on
         if packed:
             out["position_ids"] = batch["position_ids"]
+        if self.state_source is not None:
+            out[DATA_STATE_KEY] = self.state_source.state_dict()
         return out
 
 
@@ -101,6 +112,13 @@ class DLMSFTTrainer(DiffusionBatchMixin, CheckpointingMixin, SFTTrainer):
         self.data_collator = DLMSFTCollator(inner, eos, args.padding_policy)
         if self.train_dataset is not None and hasattr(self.train_dataset, "__len__"):
             self._epoch_stride = len(self.train_dataset)  # rows are keyed by row number: add the epoch's offset
+        elif isinstance(self.train_dataset, IterableDataset):
+            if args.dataloader_num_workers > 1:
+                logger.warning("DLMSFTTrainer: a streaming train dataset resumes from its saved position with "
+                               "dataloader_num_workers <= 1; with more, a resume skips the consumed batches")
+            else:  # rows keyed by pass and row number; checkpoints save the stream position
+                self.train_dataset = HFRowStream(self.train_dataset)
+                self.data_collator.state_source = self.train_dataset
         self._finish_diffusion_setup(self.model, objective)
 
     def _set_signature_columns_if_needed(self):

@@ -278,3 +278,51 @@ def test_sft_evaluate_reports_the_elbo_over_the_completion_tokens(tmp_path):
     assert metrics["eval_perplexity_bound"] == pytest.approx(math.exp(expected), rel=1e-5)
     assert model.training and trainer._metrics["train"]["supervised_fraction"] == [0.5]
     assert "supervised_fraction" not in trainer.state.log_history[-1]
+
+
+def test_sft_final_save_writes_the_dlm_model_card(tmp_path):
+    """The final save of DLMSFTTrainer writes hf-dlm's model card with the training details DLMTrainer's has
+    (one implementation, CheckpointingMixin's); checkpoints write none (trl's causal-LM card included)."""
+    import json
+
+    from huggingface_hub import ModelCard
+
+    from tests.utils import make_trainer
+
+    trainer = sft_trainer(tmp_path / "sft", rows=8, max_steps=2, save_strategy="steps", save_steps=1)
+    trainer.train()
+    assert (tmp_path / "sft" / "checkpoint-2").is_dir() and not (tmp_path / "sft" / "README.md").exists()
+    trainer.save_model()
+    expected = {"trainer": "hf_dlm.DLMSFTTrainer", "objective_preset": "llada", "mode": "diffusion",
+                "schedule": "linear", "weighting": "elbo", "t_sampling": "uniform", "eps": 0.001,
+                "normalization": "sequence", "label_alignment": "same", "global_step": 2, "epochs": 1.0,
+                "learning_rate": 0.01, "lr_scheduler_type": "constant", "global_batch_size": 4, "world_size": 1,
+                "seed": 0, "precision": "fp32"}  # 8 rows, 4 a step: 2 steps are one epoch; LLaDA's SFT recipe
+    assert json.loads((tmp_path / "sft" / "hf_dlm_info.json").read_text())["training"] == expected
+    card = ModelCard.load(tmp_path / "sft" / "README.md")
+    assert card.data.pipeline_tag == "fill-mask" and "hf-dlm" in card.data.tags
+    details = card.text.split("## Training details")[1]
+    for field, value in expected.items():
+        assert f"| {field} | `{value if isinstance(value, str) else json.dumps(value)}` |" in details
+    # DLMTrainer's final card: the same fields, its own trainer name and objective
+    pretrain = make_trainer(tmp_path / "pretrain", max_steps=1)
+    pretrain.train()
+    pretrain.save_model()
+    record = json.loads((tmp_path / "pretrain" / "hf_dlm_info.json").read_text())["training"]
+    assert record.keys() == expected.keys() and record["trainer"] == "hf_dlm.DLMTrainer"
+
+
+def test_sft_pipeline_options_are_refused_with_the_field(tmp_path):
+    """pp_size > 1 in DLMSFTConfig: DLMTrainingArguments' pipeline checks (one implementation), plus max_length,
+    which fixes the shape of every batch a pipeline sends."""
+    from hf_dlm.utils.errors import FieldError
+    from tests.utils import sft_config
+
+    for options, field in ((dict(pp_size=2, gradient_accumulation_steps=2, max_length=None), "max_length"),
+                           (dict(pp_size=2, gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=1),
+                            "eval_strategy"),
+                           (dict(pp_size=2, gradient_accumulation_steps=1), "gradient_accumulation_steps"),
+                           (dict(pp_schedule="zero_bubble"), "pp_schedule")):
+        with pytest.raises(FieldError, match=f"DLMSFTConfig.{field} must be") as error:
+            sft_config(tmp_path, **options)
+        assert error.value.field == field

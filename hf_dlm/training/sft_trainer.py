@@ -39,6 +39,7 @@ from ..modeling.loss import IGNORE_INDEX  # noqa: E402
 from .sft_config import DLMSFTConfig  # noqa: E402
 from .checkpointing import CheckpointingMixin  # noqa: E402
 from .diffusion_batch import DiffusionBatchMixin  # noqa: E402
+from .pipeline_training import PipelineTrainingMixin  # noqa: E402
 from .trl_compat import ensure_mask_token, load_dlm, without_causal_lm_head  # noqa: E402
 
 logger = logging.get_logger(__name__)
@@ -78,11 +79,12 @@ class DLMSFTCollator:
         return out
 
 
-class DLMSFTTrainer(DiffusionBatchMixin, CheckpointingMixin, SFTTrainer):
+class DLMSFTTrainer(DiffusionBatchMixin, CheckpointingMixin, PipelineTrainingMixin, SFTTrainer):
     """SFT of masked-diffusion LMs with trl's data pipeline. Arguments as `trl.SFTTrainer`; `args` is a
     `DLMSFTConfig`; `objective` defaults to `args.build_objective(model.config)`."""
 
     _tag_names = ["trl", "sft", "hf-dlm", "diffusion"]
+    card_trainer = "hf_dlm.DLMSFTTrainer"
 
     def __init__(self, model, args: DLMSFTConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, objective=None, **kwargs):
@@ -94,10 +96,14 @@ class DLMSFTTrainer(DiffusionBatchMixin, CheckpointingMixin, SFTTrainer):
             raise ValueError("DLMSFTTrainer: compute_loss_func is not supported; the loss is the diffusion objective")
         model = load_dlm(model, args.model_init_kwargs, "DLMSFTTrainer")
         self._prepare_diffusion_model(model, args)
+        full_model = model
+        model = self._setup_pipeline(model, args, eval_dataset)  # pp_size > 1: this rank's stages only
+        if model is not full_model:  # trl writes the pad id and its tags through the model it holds: the full one's
+            model.generation_config, model.add_model_tags = full_model.generation_config, full_model.add_model_tags
         with without_causal_lm_head("trl.trainer.sft_trainer"):
             super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
-        ensure_mask_token(self._tokenizer, self.accelerator.unwrap_model(self.model))
+        ensure_mask_token(self._tokenizer, full_model)
         inner = self.data_collator
         if hasattr(inner, "padding_free"):  # trl's DataCollatorForLanguageModeling: keep packed rows as rows
             inner.padding_free = False
@@ -106,6 +112,11 @@ class DLMSFTTrainer(DiffusionBatchMixin, CheckpointingMixin, SFTTrainer):
             # sequence-parallel norms split every sequence over tp ranks, context parallel over cp ranks
             multiple = math.lcm(inner.pad_to_multiple_of or 1, self._parallel.dims.tp * self._parallel.dims.cp)
             inner.pad_to_multiple_of = None if multiple == 1 else multiple
+        if self._pipeline is not None:  # a pipeline sends fixed-shape activations: every batch max_length long
+            if not hasattr(inner, "pad_to_multiple_of"):
+                raise ValueError(f"DLMSFTTrainer with pp_size > 1 pads every batch to max_length through the "
+                                 f"collator's pad_to_multiple_of; {type(inner).__name__} has none")
+            inner.pad_to_multiple_of = args.max_length
         eos = self._tokenizer.eos_token_id
         if eos is None:
             raise ValueError("DLMSFTTrainer needs a tokenizer with an EOS token (padding and the sampler's stop)")
@@ -147,8 +158,9 @@ class DLMSFTTrainer(DiffusionBatchMixin, CheckpointingMixin, SFTTrainer):
         mode = "train" if training else "eval"
         real = stats["tokens"].clamp(min=1) if torch.is_tensor(stats["tokens"]) else max(stats["tokens"], 1)
         self._metrics[mode]["supervised_fraction"].append(float(stats["supervised"] / real))
-        if training:
-            replicas = self._parallel.replicas if self._parallel is not None else 1  # TP / CP ranks share a batch
+        if training:  # TP / CP ranks share a batch, and so do the pp ranks of a pipeline (they pool one)
+            replicas = (self._parallel.replicas if self._parallel is not None
+                        else self._pipeline.pp_size if self._pipeline is not None else 1)
             tokens = torch.as_tensor(stats["tokens"] / replicas, device=self.args.device).reshape(1)
             self._total_train_tokens += round(float(self.accelerator.gather_for_metrics(tokens).sum()))
             self._metrics[mode]["num_tokens"] = [self._total_train_tokens]

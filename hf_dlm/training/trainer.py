@@ -5,7 +5,8 @@ statistics, device-mesh set-up, `evaluate` with the ELBO bound) are `diffusion_b
 shared with `DLMSFTTrainer`;
 checkpoints (atomic staged saves, DCP routing, data-position and float8 resume) are
 `checkpointing.CheckpointingMixin`. Here: the pretraining data path (map-style datasets get sample indices,
-streams report their position) and the model card of the final save.
+streams report their position) and pipeline parallelism (`PipelineTrainingMixin`, shared with `DLMSFTTrainer`).
+The final save's model card is `CheckpointingMixin`'s.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ __all__ = ["DLMTrainer", "DATA_STATE_NAME", "FLOAT8_STATE_NAME", "OBJECTIVE_NAME
 class DLMTrainer(DiffusionBatchMixin, CheckpointingMixin, PipelineTrainingMixin, Trainer):
     """Trainer of `DLMForDiffusionLM` (or any model taking `labels`, `label_weights` and
     `num_items_in_batch`). `objective` defaults to `args.build_objective(model.config)`."""
+
+    card_trainer = "hf_dlm.DLMTrainer"  # the model card's "trainer" field
 
     def __init__(self, model=None, args: DLMTrainingArguments | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, objective: MaskedDiffusionObjective | None = None, **kwargs):
@@ -63,32 +66,6 @@ class DLMTrainer(DiffusionBatchMixin, CheckpointingMixin, PipelineTrainingMixin,
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)
         self._finish_diffusion_setup(model, objective)
-
-    def training_details(self) -> dict:
-        """What the model card's "Training details" table records about this run."""
-        args, objective = self.args, self.objective
-        details = {"trainer": "hf_dlm.DLMTrainer", "objective_preset": args.objective_preset,
-                   **{name: getattr(objective, name) for name in ("mode", "schedule", "weighting", "t_sampling",
-                                                                  "eps", "normalization", "label_alignment")},
-                   "global_step": self.state.global_step, "epochs": round(float(self.state.epoch or 0), 4),
-                   "learning_rate": args.learning_rate, "lr_scheduler_type": str(getattr(args.lr_scheduler_type,
-                                                                                      "value", args.lr_scheduler_type)),
-                   "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
-                   * args.world_size, "world_size": args.world_size, "seed": args.seed,
-                   "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"}
-        if args.fp8_recipe:
-            details["fp8_recipe"] = args.fp8_recipe
-        return details
-
-    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """The parent's save, then the training record and a model card that shows it."""
-        super()._save(output_dir, state_dict)
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.args.should_save and self._staging_root is None:  # final models, not every checkpoint
-            from ..utils.publishing import publisher  # hub/ sits above training
-
-            publisher().write_final_card(output_dir, self.accelerator.unwrap_model(self.model).config,
-                                         self.training_details())
 
 
 class _IndexedSamples(Dataset):

@@ -2,8 +2,9 @@
 the trainer's throughput accounting and the parallelisation switches.
 
 The fields shared with `DLMSFTConfig` live in two mixins, so both trainers spell every setting the same way:
-`ObjectiveArguments` (the one objective spelling: preset plus explicit fields, `build_objective`) and
-`DiffusionTrainingFields` (statistics, float8, compile, output-folder safety); the device-mesh fields are
+`ObjectiveArguments` (the one objective spelling: preset plus explicit fields, `build_objective`),
+`DiffusionTrainingFields` (statistics, float8, compile, ELBO evaluation, output-folder safety) and
+`PipelineArguments` (`pp_size`, `pp_schedule`, ...); the device-mesh fields are
 `hf_dlm.parallel.trainer_parallel.ParallelArguments`.
 
 Defaults that differ from the parent: `remove_unused_columns=False` (the trainer needs `sample_index`,
@@ -183,8 +184,9 @@ class DiffusionTrainingFields:
 
 
 @dataclass
-class DLMTrainingArguments(ObjectiveArguments, DiffusionTrainingFields, ParallelArguments, TrainingArguments):
-    # -- pipeline parallel (hf_dlm.parallel.pipeline) -------------------------------------------
+class PipelineArguments:
+    """The pipeline-parallel fields of both trainers' arguments (`PipelineTrainingMixin` reads them)."""
+
     pp_size: int = field(
         default=1,
         metadata={"help": "Pipeline-parallel stages (hf_dlm.parallel.pipeline): the model is cut at decoder-layer "
@@ -206,6 +208,33 @@ class DLMTrainingArguments(ObjectiveArguments, DiffusionTrainingFields, Parallel
         metadata={"help": "First decoder layer of each stage after the first (pp_size x stages per rank - 1 ascending "
                           "indices). None: layers spread evenly."},
     )
+
+    def _validate_pipeline_fields(self, fail) -> None:
+        from ..parallel.pipeline import PIPELINE_SCHEDULES
+
+        if not isinstance(self.pp_size, int) or self.pp_size < 1:
+            fail("pp_size", "an integer >= 1")
+        if self.pp_schedule not in PIPELINE_SCHEDULES:
+            fail("pp_schedule", f"one of {PIPELINE_SCHEDULES}")
+        if self.pp_size == 1:
+            return
+        # the schedule runs forward and backward itself: what needs the Trainer's own forward / backward is refused
+        if str(getattr(self.eval_strategy, "value", self.eval_strategy)) != "no" or self.load_best_model_at_end:
+            fail("eval_strategy", "'no' with pp_size > 1 (evaluation runs the whole model: evaluate a saved "
+                                  "checkpoint with pp_size=1; the checkpoints load in any layout)")
+        if self.fsdp:
+            fail("fsdp", "empty with pp_size > 1 (accelerate's FSDP wraps the whole model; hf-dlm shards each "
+                         "pipeline stage with FSDP2 over the processes beyond pp_size itself)")
+        if self.fp16:
+            fail("fp16", "False with pp_size > 1 (its loss scaling goes through accelerator.backward, which the "
+                         "pipeline schedule replaces; use bf16)")
+        if self.pp_schedule == "1f1b" and self.gradient_accumulation_steps < self.pp_size:
+            fail("gradient_accumulation_steps", f">= pp_size={self.pp_size} with pp_schedule='1f1b' (its micro-batches)")
+
+
+@dataclass
+class DLMTrainingArguments(ObjectiveArguments, DiffusionTrainingFields, PipelineArguments, ParallelArguments,
+                           TrainingArguments):
     # -- parent defaults changed ------------------------------------------------------------------
     remove_unused_columns: bool = field(
         default=False,
@@ -241,25 +270,3 @@ class DLMTrainingArguments(ObjectiveArguments, DiffusionTrainingFields, Parallel
             # DLMTrainer always normalises by the global number of supervised items (exact accumulation)
             fail("average_tokens_across_devices", "True (the loss is normalised over all ranks)")
         self._validate_pipeline_fields(fail)
-
-    def _validate_pipeline_fields(self, fail) -> None:
-        from ..parallel.pipeline import PIPELINE_SCHEDULES
-
-        if not isinstance(self.pp_size, int) or self.pp_size < 1:
-            fail("pp_size", "an integer >= 1")
-        if self.pp_schedule not in PIPELINE_SCHEDULES:
-            fail("pp_schedule", f"one of {PIPELINE_SCHEDULES}")
-        if self.pp_size == 1:
-            return
-        # the schedule runs forward and backward itself: what needs the Trainer's own forward / backward is refused
-        if str(getattr(self.eval_strategy, "value", self.eval_strategy)) != "no" or self.load_best_model_at_end:
-            fail("eval_strategy", "'no' with pp_size > 1 (evaluation runs the whole model: evaluate a saved "
-                                  "checkpoint with pp_size=1; the checkpoints load in any layout)")
-        if self.fsdp:
-            fail("fsdp", "empty with pp_size > 1 (accelerate's FSDP wraps the whole model; hf-dlm shards each "
-                         "pipeline stage with FSDP2 over the processes beyond pp_size itself)")
-        if self.fp16:
-            fail("fp16", "False with pp_size > 1 (its loss scaling goes through accelerator.backward, which the "
-                         "pipeline schedule replaces; use bf16)")
-        if self.pp_schedule == "1f1b" and self.gradient_accumulation_steps < self.pp_size:
-            fail("gradient_accumulation_steps", f">= pp_size={self.pp_size} with pp_schedule='1f1b' (its micro-batches)")

@@ -96,7 +96,8 @@ def test_sft_pp2_trains_like_one_process_and_writes_the_model_card(pipeline_resu
     """pp_size=2 (a stage per decoder layer, the two ranks' 2 + 2 rows pooled into each micro-batch, every batch
     padded to max_length) gives one process's logged losses, gradient norms, masked fraction, CE by t and trl's
     token count for the same 4-row micro-batches, Adam with a constant 1e-2 learning rate; its final weights,
-    saved stage by stage, load as one model equal to the single process's, with the model card of the run."""
+    saved stage by stage, load as one model equal to the single process's, with the model card of the run; its
+    step-2 checkpoint resumed in one process (another initialisation) ends on the same weights."""
     record, final = pipeline_results
     assert record["stages"] == [[0]]  # rank 0 holds decoder layer 0 of 2
     torch.set_num_threads(1)
@@ -119,3 +120,13 @@ def test_sft_pp2_trains_like_one_process_and_writes_the_model_card(pipeline_resu
     assert {k: training[k] for k in ("trainer", "global_step", "global_batch_size", "world_size", "pp_size")} == \
         {"trainer": "hf_dlm.DLMSFTTrainer", "global_step": 3, "global_batch_size": 8, "world_size": 2, "pp_size": 2}
     assert "| pp_size | `2` |" in (final / "README.md").read_text()
+    # the pipeline's checkpoint (stage shards, optimizer through DCP) resumed in one process: step 3 as straight
+    checkpoint = final / "checkpoint-2"
+    assert (checkpoint / "optim_dcp").is_dir() and not (final / "_checkpoint-staging").exists()
+    resumed = sft_trainer(tmp_path / "resumed", model_seed=1, per_device_train_batch_size=4,
+                          gradient_accumulation_steps=2, max_steps=3)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert len(resumed.step_losses) == 1
+    torch.testing.assert_close(torch.tensor(logged(resumed, "loss", after_step=2)), torch.tensor([logs[2]["loss"]]),
+                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(flat_params(resumed.model), flat_params(single.model), rtol=0, atol=1e-5)

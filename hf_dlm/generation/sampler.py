@@ -1,13 +1,18 @@
 """`model.generate` for DLMs: LLaDA's semi-autoregressive masked-diffusion sampler and Fast-dLLM's
 threshold decoding and KV caches.
 
-Canvas = prompt + `max_new_tokens` masks, split into blocks of `block_length` decoded left to right;
-`steps` forward passes are shared evenly over the blocks. Each step (LLaDA `generate.py` semantics):
+Canvas = prompt + `max_new_tokens` masks, split into blocks of `block_length` decoded left to right
+(`align_blocks`: blocks on multiples of block_length in the row's positions, the prompt's partial block first,
+the canvas run on to the end of the last block and the output cut at max_new_tokens, as LLaDA2.x / SDAR /
+Fast-dLLM v2 generate); `steps` forward passes are shared evenly over the blocks, and a block's steps commit
+masks // steps each (LLaDA) or Dream's timestep counts (`schedule="dream"`). Each step (LLaDA `generate.py`
+semantics):
 candidates `x0 = argmax(logits + Gumbel noise at temperature T)` (float64 noise; T = 0 is argmax), a
 confidence per position (`remasking`), -inf after the current block and on committed tokens, then the
 `num_transfer_tokens` most confident masked positions are committed (or, with `threshold`, every one
 whose confidence is >= threshold and at least the best). Masks inside the prompt (infilling) compete
-with the current block, as in LLaDA.
+with the current block, as in LLaDA. Fast-dLLM v2 narrows a step's candidates (`block_candidates`): the first
+sub-block of `sub_block_length` with masks left, and a block's first token alone (`first_token_alone`).
 
 Caches (`cache`):
 - bidirectional models: `prefix` / `dual` are Fast-dLLM's caches and APPROXIMATE by nature: at each
@@ -30,7 +35,9 @@ streamer one per step.
 
 Every row is decoded as if alone: left padding with an attention mask works in every mode and cache
 setting, and a row leaves the forward batch once it has nothing left to commit in the current block
-(threshold decoding, exhausted budget) or has finished (EOS to the end): it then costs no compute.
+(threshold decoding, exhausted budget) or has finished (EOS to the end): it then costs no compute. With
+`align_blocks`, rows whose left padding puts their block boundaries on different slots are decoded as separate
+batches, one after the other (`_block_phase_groups`).
 """
 
 from __future__ import annotations

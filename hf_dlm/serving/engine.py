@@ -104,9 +104,6 @@ class SamplingParams:
                              f"({num_blocks})", steps)
         # the exact cache of 'block' / 'causal' models gives the uncached tokens: those rows run uncached
         cache = config.cache if attention_mode == "bidirectional" else "none"
-        if config.cfg_scale and cache != "none":
-            raise FieldError("cfg_scale", f"cfg_scale: the serving engine guides rows without a KV cache only "
-                             f"(asked: {cache!r})", config.cfg_scale)
         return cls(max_new_tokens=new_tokens, block_length=block_length, steps=steps,
                    temperature=config.sampling_temperature, top_p=config.top_p, top_k=config.top_k,
                    threshold=config.threshold, remasking=config.remasking, stop_on_eos=config.stop_on_eos, seed=seed,

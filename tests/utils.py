@@ -72,7 +72,7 @@ def _family_models() -> dict:
         "sdar_moe": lambda: f.SDARMoeForCausalLM(f.SDARMoeConfig(**_QWEN, head_dim=16, num_experts=4,
                                                                  num_experts_per_tok=2, moe_intermediate_size=16,
                                                                  norm_topk_prob=True)),
-        "Fast_dLLM_Qwen": lambda: f.Fast_dLLM_QwenForCausalLM(f.FastDLLMQwenConfig(**_QWEN, bd_size=8)),
+        "Fast_dLLM_Qwen": lambda: f.Fast_dLLM_QwenForCausalLM(f.FastDLLMQwenConfig(**_QWEN)),
         "lladamoe": lambda: f.LLaDAMoEModelLM(f.LLaDAMoEConfig(**_QWEN, expert_intermediate_size=16, num_experts=4,
                                                                num_experts_per_tok=2, shared_expert_intermediate_size=16,
                                                                qk_layernorm=True)),

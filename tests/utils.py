@@ -460,11 +460,16 @@ def sft_config(output_dir, **overrides):
     return DLMSFTConfig(**options)
 
 
-def sft_trainer(output_dir, rows: int = 16, model_seed: int = 0, tokenizer=None, **overrides):
+def sft_trainer(output_dir, rows: int = 16, model_seed: int = 0, tokenizer=None, streaming: bool = False,
+                **overrides):
+    """streaming: the rows as a `datasets.IterableDataset` (one shard, no shuffle buffer)."""
     tokenizer = tokenizer or digit_tokenizer()
+    train_dataset = sft_rows(rows)
+    if streaming:
+        train_dataset = train_dataset.to_iterable_dataset(num_shards=1)
     return recording_sft_trainer_class()(model=sft_model(tokenizer, model_seed),
                                          args=sft_config(output_dir, **overrides),
-                                         train_dataset=sft_rows(rows), processing_class=tokenizer)
+                                         train_dataset=train_dataset, processing_class=tokenizer)
 
 
 def logged(trainer, key: str, after_step: int = 0) -> list:

@@ -32,7 +32,8 @@ def _grow(tensor: torch.Tensor | None, lanes: int, length: int, fill=0) -> torch
 
 class SlotStorage:
     """Canvases (lanes, capacity + 1) and per-layer keys / values (lanes, capacity + 1, nkv, hd), allocated once
-    and grown (rounded up) only when a longer canvas or more lanes are needed."""
+    and grown (rounded up) only when a longer canvas or more lanes are needed (the engine reserves its whole
+    size up front when its steps are captured as CUDA graphs, which hold the storage's addresses)."""
 
     def __init__(self, device: torch.device, fill_token: int, round_to: int = 64):
         self.device, self.fill_token, self.round_to = device, fill_token, round_to
@@ -117,7 +118,10 @@ class RaggedStep:
         for name, t in parts.items():
             tensors[name] = flat[at : at + t.numel()].view(t.shape)
             at += t.numel()
-        key_slot = torch.arange(storage.capacity + 1, device=storage.device).view(1, 1, -1)
+        # keys: the slots up to the longest row's key length (bucketed), not the whole storage: a storage
+        # preallocated for the model's positions costs no attention beyond what the rows hold
+        key_count = min(bucket(max(key_lengths)) if buckets else max(key_lengths), storage.capacity + 1)
+        key_slot = torch.arange(key_count, device=storage.device).view(1, 1, -1)
         allowed = key_slot < tensors.pop("key_lengths").view(-1, 1, 1)  # (rows, 1, K): the trash slot never
         query_position = (tensors.pop("starts").unsqueeze(1) + torch.arange(width, device=storage.device)).unsqueeze(-1)
         if mode == "causal":
@@ -162,9 +166,9 @@ class RaggedKV:
 
     def attention(self, module, query: torch.Tensor, key=None, value=None) -> torch.Tensor:
         """query (1, nh, T, hd) -> attention output (1, T, nh, hd): per row against its lane's keys / values."""
-        layer = module.layer_idx
-        keys = self.keys[layer].index_select(0, self.lanes).transpose(1, 2)  # (b, nkv, K, hd)
-        values = self.values[layer].index_select(0, self.lanes).transpose(1, 2)
+        layer, width = module.layer_idx, self.mask.shape[-1]  # the step's K slots (`RaggedStep`)
+        keys = self.keys[layer][:, :width].index_select(0, self.lanes).transpose(1, 2)  # (b, nkv, K, hd)
+        values = self.values[layer][:, :width].index_select(0, self.lanes).transpose(1, 2)
         queries = query[0].transpose(0, 1)[self.q_index].transpose(1, 2)  # (b, nh, Q, hd)
         if keys.shape[1] != queries.shape[1]:  # grouped-query attention
             repeat = queries.shape[1] // keys.shape[1]

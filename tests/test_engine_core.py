@@ -96,6 +96,34 @@ def test_factor_entropy_bound_and_editing_equal_generate_in_the_engine(cache):
             assert len(alone.forward_batch_sizes) < 16  # several tokens per forward
 
 
+# Fast-dLLM v2 / LLaDA2.x block alignment, sub-blocks and lone first tokens; Dream's schedule (with and without
+# aligned blocks); the prompts end inside, and on, a block
+SCHEDULE_RULES = [dict(align_blocks=True, threshold=0.5), dict(schedule="dream", steps=8),
+                  dict(align_blocks=True, threshold=0.6, sub_block_length=2, first_token_alone=True),
+                  dict(align_blocks=True, schedule="dream"), dict(align_blocks=True, factor=1.0, sub_block_length=3)]
+
+
+@pytest.mark.parametrize("mode,alignment", [("block", "shift"), ("bidirectional", "same")])
+def test_aligned_blocks_sub_blocks_and_dream_schedule_equal_generate_in_the_engine(mode, alignment):
+    model = tiny_model("sdpa", eos_token_id=5, attention_mode=mode, label_alignment=alignment,
+                       **({"block_size": 4} if mode == "block" else {}))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6)  # thresholds then commit several tokens at some steps
+    engine = ContinuousBatchingEngine(model, max_batch_size=4)
+    generator = torch.Generator().manual_seed(6)
+    rows = []
+    for i, rule in enumerate(SCHEDULE_RULES * 2):
+        ids = torch.randint(0, 90, (3 + i,), generator=generator).tolist()  # 3 .. 12 tokens: 4 and 8 among them
+        options = dict(max_new_tokens=10 if rule.get("align_blocks") else 16, block_length=4, stop_on_eos=False,
+                       **rule)
+        rows.append((ids, options, GenerationRequest(ids, engine.sampling_params(**options))))
+    forwards = run_arriving(engine, [r[-1] for r in rows], per_step=2)
+    assert all(count <= 1 for count, _ in forwards)  # 0: Dream's step of count 0 needs no forward
+    for ids, options, request in rows:
+        assert request.error is None, options
+        assert request.generated == reference(model, ids, **options), options
+
+
 def test_cancel_frees_the_slot_at_the_next_step_and_blocks_stream_as_they_end():
     model = tiny_model("sdpa", eos_token_id=5)
     engine = ContinuousBatchingEngine(model, max_batch_size=2)

@@ -1,8 +1,12 @@
 """Each family's sampler through `model.generate` (the decoding core) with the family's published defaults
 equals a transcription of the source's own generate on tiny random models: LLaDA's `generate.py`
-(semi-autoregressive blocks, low-confidence remasking), the same with Dream's logit shift, and LLaDA2's
-`generate` (block diffusion under the block-causal mask, threshold commits with a top-k floor), which SDAR's
-`low_confidence_dynamic` remasking shares (threshold 0.85)."""
+(semi-autoregressive blocks, low-confidence remasking), the same with Dream's logit shift, Dream's `_sample`
+(its timestep schedule of tokens per step, entropy / maskgit_plus / topk_margin orders), LLaDA2's `generate`
+(block diffusion under the block-causal mask, threshold commits with a top-k floor, blocks aligned to the
+positions so the prompt's partial block comes first), which SDAR's `low_confidence_dynamic` remasking shares
+(threshold 0.85), and Fast-dLLM v2's `batch_sample` (aligned blocks of 32 in sub-blocks of 8, each block's first
+token from the previous position's logits, the token shift). Transcriptions run greedy (the sources draw with
+torch's samplers, which no other code reproduces draw for draw) and leave out the stop-token handling."""
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ import torch.nn.functional as F
 
 import hf_dlm  # noqa: F401
 from tests.utils import FAMILY_MASK as MASK
+from tests.utils import FAMILY_VOCAB as V
 from tests.utils import tiny_family as tiny
 
 
@@ -76,6 +81,70 @@ def block_diffusion_generate(model, ids, block_length, gen_length, threshold):
     return x[:, : P + gen_length]
 
 
+
+def dream_generate(model, ids, new_tokens, steps, alg, eps=1e-3):
+    """Dream's `DreamGenerationMixin._sample` (temperature 0, no top-p / top-k, alg_temp 0), batch 1: logits shifted
+    by one; each step commits, by top-k of the alg's confidence over every mask, int(m * (1 - s / t)) of the m masks
+    left with t, s consecutive timesteps of linspace(1, eps, steps + 1), every mask left at the last step. A step
+    whose count is 0 commits nothing (its forward is skipped here: greedy, nothing else depends on it)."""
+    x = torch.cat([ids, torch.full((1, new_tokens), MASK, dtype=torch.long)], dim=1)
+    timesteps = torch.linspace(1, eps, steps + 1)
+    for i in range(steps):
+        mask_index = x == MASK
+        t, s = timesteps[i], timesteps[i + 1]
+        num_mask_token = mask_index.sum() / mask_index.shape[0]
+        count = int(num_mask_token * (1 - s / t)) if i < steps - 1 else int(num_mask_token)
+        if count == 0:
+            continue
+        logits = model(x).logits
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        probs = torch.softmax(logits[mask_index], dim=-1)
+        confidence, x0 = probs.max(dim=-1)
+        if alg == "topk_margin":
+            top = probs.sort(dim=-1, descending=True).values
+            confidence = top[:, 0] - top[:, 1]
+        elif alg == "entropy":
+            confidence = (probs * torch.log(probs + 1e-10)).sum(-1)
+        full_confidence = torch.full(x.shape, -torch.inf)
+        full_confidence[mask_index] = confidence
+        transfer = full_confidence.topk(count).indices
+        candidate = torch.full_like(x, MASK)
+        candidate[mask_index] = x0
+        x[0, transfer[0]] = candidate[0, transfer[0]]
+    return x
+
+
+def fast_dllm_v2_generate(model, ids, block, sub_block, new_tokens, threshold):
+    """Fast-dLLM v2's `batch_sample` (batch 1, temperature 0, use_block_cache=False, no stop token). The prompt's
+    whole blocks are prefilled, and when the prompt ends on a block boundary their last position's logits give the
+    next token; blocks then run from the prompt's partial one to new_tokens // block + P // block: the block's masks
+    are decided sub-block by sub-block, each step re-running the block over the cached prefix with the logits
+    shifted by one (i-1 predicts i) and committing the sub-block's masks with p > threshold, at least the most
+    likely one; the forward of the finished block gives the next block's first token (argmax of its last position).
+    The block-causal model makes the cached prefix equal to recomputing it, which this transcription does."""
+    P = ids.shape[1]
+    assert P != block  # batch_sample prefills only prompts longer than a block (at exactly one it drops the prompt)
+    x = ids.clone()
+    if P > block and P % block == 0:
+        x = torch.cat([x, model(x).logits[:, -1:].argmax(-1)], dim=1)
+    for b in range(P // block, new_tokens // block + P // block):
+        x = torch.cat([x, torch.full((1, (b + 1) * block - x.shape[1]), MASK, dtype=torch.long)], dim=1)
+        for sub in range(block // sub_block):
+            lo, hi = b * block + sub * sub_block, b * block + (sub + 1) * sub_block
+            while (x[:, lo:hi] == MASK).any():
+                logits = model(x).logits
+                logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)[:, lo:hi]
+                probs = torch.softmax(logits, dim=-1)
+                x1 = probs.argmax(-1)
+                masked = x[:, lo:hi] == MASK
+                x1_p = torch.where(masked, probs.gather(-1, x1[..., None])[..., 0], -torch.inf)
+                unmask = x1_p > threshold
+                unmask[0, x1_p[0].argmax()] = True
+                unmask &= masked
+                x[:, lo:hi][unmask] = x1[unmask]
+        x = torch.cat([x, model(x).logits[:, -1:].argmax(-1)], dim=1)
+    return x
+
 def test_published_sampler_defaults():
     llada, llada2, sdar = tiny("llada"), tiny("llada2_moe"), tiny("sdar")
     assert (llada.generation_config.steps, llada.generation_config.block_length,
@@ -83,7 +152,12 @@ def test_published_sampler_defaults():
     assert (llada2.generation_config.block_length, llada2.generation_config.threshold,
             llada2.generation_config.cache) == (32, 0.95, "prefix")
     assert (sdar.generation_config.block_length, sdar.generation_config.threshold) == (4, 0.85)
-    assert tiny("Dream").generation_config.remasking == "entropy"
+    assert llada2.generation_config.align_blocks and sdar.generation_config.align_blocks
+    dream = tiny("Dream").generation_config
+    assert (dream.remasking, dream.schedule, dream.schedule_eps, dream.steps) == ("entropy", "dream", 1e-3, 512)
+    fast = tiny("Fast_dLLM_Qwen").generation_config
+    assert (fast.block_length, fast.sub_block_length, fast.threshold, fast.first_token_alone, fast.align_blocks,
+            fast.cache) == (32, 8, 0.95, True, True, "prefix")
 
 
 def test_llada_semi_autoregressive_blocks_equal_llada_generate():
@@ -98,7 +172,8 @@ def test_llada_semi_autoregressive_blocks_equal_llada_generate():
 def test_dream_logit_shift_equals_dream_alignment():
     model = tiny("Dream")
     ids = prompt(5, seed=1)
-    settings = dict(max_new_tokens=8, steps=8, block_length=8, remasking="low_confidence", do_sample=False)
+    settings = dict(max_new_tokens=8, steps=8, block_length=8, remasking="low_confidence", do_sample=False,
+                    schedule="even")  # LLaDA's loop with Dream's alignment
     with torch.no_grad():
         expected = llada_generate(model, ids, steps=8, gen_length=8, block_length=8, shift=True)
         unshifted = llada_generate(model, ids, steps=8, gen_length=8, block_length=8, shift=False)
@@ -106,18 +181,79 @@ def test_dream_logit_shift_equals_dream_alignment():
     assert torch.equal(out, expected) and not torch.equal(out, unshifted)  # the shift matters here
 
 
-@pytest.mark.parametrize("name,threshold", [("llada2_moe", None), ("sdar", None), ("sdar_moe", None),
-                                            ("llada2_moe", 0.1), ("sdar", 0.2)])
-def test_block_diffusion_equals_llada2_generate(name, threshold):
-    """Prompt of whole blocks (the published generate starts its first block at the prompt's last block
-    boundary; hf-dlm's core starts at the prompt end, which equals it there). The published threshold, and a
-    low one under which several tokens commit per step; the exact block cache and the uncached core agree."""
+@pytest.mark.parametrize("name,threshold,prompt_length", [
+    ("llada2_moe", None, 8), ("sdar", None, 8), ("sdar_moe", None, 8), ("llada2_moe", 0.1, 8), ("sdar", 0.2, 8),
+    ("llada2_moe", None, 6), ("llada2_moe", 0.1, 9), ("sdar", 0.2, 7), ("sdar_moe", None, 5)])
+def test_block_diffusion_equals_llada2_generate(name, threshold, prompt_length):
+    """The published threshold, and a low one under which several tokens commit per step; prompts of whole blocks
+    and prompts that end inside a block (the published generate decodes the rest of that block first, and decodes
+    its last block whole before cutting at gen_length: `align_blocks`, a family default); the exact block cache and
+    the uncached core agree."""
     model = tiny(name)
     block = model.config.block_size = 4
     threshold = threshold if threshold is not None else model.generation_config.threshold
-    ids = prompt(8, seed=2)
+    ids = prompt(prompt_length, seed=2)
     with torch.no_grad():
         expected = block_diffusion_generate(model, ids, block, 12, threshold)
         cached = model.generate(ids, max_new_tokens=12, block_length=block, threshold=threshold)
         uncached = model.generate(ids, max_new_tokens=12, block_length=block, threshold=threshold, cache="none")
     assert torch.equal(cached, expected) and torch.equal(uncached, expected)
+    if prompt_length % block:  # blocks from the prompt end instead: another sampler, other tokens
+        unaligned = model.generate(ids, max_new_tokens=12, block_length=block, threshold=threshold, align_blocks=False)
+        assert not torch.equal(unaligned, expected)
+
+
+def test_aligned_blocks_in_a_left_padded_batch_equal_each_row_alone():
+    """Rows whose padding puts their aligned blocks on different slots are decoded in groups: each equals itself."""
+    from tests.utils import left_padded
+
+    model = tiny("llada2_moe")
+    model.config.block_size = 4
+    prompts, input_ids, attention_mask = left_padded([6, 9, 5, 8], seed=3)
+    options = dict(max_new_tokens=8, block_length=4, threshold=0.3)
+    with torch.no_grad():
+        batch = model.generate(input_ids, attention_mask=attention_mask, **options)
+        for row, ids in enumerate(prompts):
+            alone = model.generate(ids[None], **options)
+            assert torch.equal(batch[row, input_ids.shape[1]:], alone[0, len(ids):]), row
+
+
+@pytest.mark.parametrize("alg,remasking", [("entropy", "entropy"), ("maskgit_plus", "low_confidence"),
+                                           ("topk_margin", "margin")])
+@pytest.mark.parametrize("steps", [8, 24])
+def test_dream_schedule_equals_dream_sample(alg, remasking, steps):
+    """Dream's defaults (schedule='dream', one block, 'entropy'), greedy; steps = max_new_tokens as Dream's README
+    runs it (most counts then 0 or 1, the rest at the last step) and fewer steps (several tokens a step)."""
+    model = tiny("Dream")
+    ids = prompt(5, seed=4)
+    with torch.no_grad():
+        expected = dream_generate(model, ids, 24, steps, alg)
+        options = dict(max_new_tokens=24, steps=steps, remasking=remasking, do_sample=False, top_p=None)
+        out = model.generate(ids, return_dict_in_generate=True, **options)
+        even = model.generate(ids, schedule="even", **options)
+    assert torch.equal(out.sequences, expected)
+    if steps == 8:  # counts 2, 3, ..., 3, 4: the schedule matters here
+        assert not torch.equal(even, expected)
+    else:  # counts 0, 1, ..., 1, 2: the first step commits nothing (no forward), the last two masks go together
+        assert len(out.forward_batch_sizes) == 23
+
+
+@pytest.mark.parametrize("prompt_length,threshold", [(5, None), (37, None), (64, None), (5, 0.3), (64, 0.3)])
+def test_fast_dllm_v2_equals_batch_sample(prompt_length, threshold):
+    """Fast-dLLM v2's defaults (block 32, sub-blocks of 8, threshold 0.95, the token shift, each block's first token
+    alone); a prompt inside the first block, one ending inside a later block and one on a block boundary (its next
+    token from the prefill's last position); a low threshold under which several tokens commit per step. The exact
+    block cache and the uncached core agree."""
+    model = tiny("Fast_dLLM_Qwen")
+    threshold = threshold if threshold is not None else model.generation_config.threshold
+    ids = prompt(prompt_length, seed=5)
+    new_tokens = 32  # batch_sample's blocks: 32 // 32 + P // 32, so it decodes up to the end of the block after P
+    end = (prompt_length // 32 + 1) * 32
+    with torch.no_grad():
+        expected = fast_dllm_v2_generate(model, ids, 32, 8, new_tokens, threshold)[:, :end]
+        cached = model.generate(ids, max_new_tokens=end - prompt_length, threshold=threshold)
+        uncached = model.generate(ids, max_new_tokens=end - prompt_length, threshold=threshold, cache="none")
+        whole_blocks = model.generate(ids, max_new_tokens=end - prompt_length, threshold=threshold,
+                                      sub_block_length=None)
+    assert torch.equal(cached, expected) and torch.equal(uncached, expected)
+    assert not torch.equal(whole_blocks, expected)  # the sub-blocks matter here

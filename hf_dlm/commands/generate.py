@@ -10,7 +10,7 @@ import sys
 
 # CLI options forwarded to `model.generate` besides DLM_GENERATION_FIELDS: name -> (type, help)
 SAMPLING_OPTIONS = {
-    "max_new_tokens": (int, "tokens to generate (a multiple of --block-length)"),
+    "max_new_tokens": (int, "tokens to generate (a multiple of --block-length unless --align-blocks)"),
     "temperature": (float, "0 = argmax (greedy); > 0 samples with float64 Gumbel noise"),
     "top_k": (int, "sample among the k most likely tokens only"),
     "top_p": (float, "nucleus sampling: the smallest set of tokens with this much probability"),
@@ -20,6 +20,7 @@ SAMPLING_OPTIONS = {
 def add_arguments(parser):
     from ..generation.compiled_step import COMPILE_CHOICES
     from ..generation.configuration import CACHE_MODES, DLM_GENERATION_FIELDS, REMASKING
+    from ..generation.sampling import SCHEDULES
 
     parser.add_argument("--model", required=True, help="checkpoint folder or Hub id (model and tokenizer)")
     parser.add_argument("--prompt", required=True, help="the prompt text")
@@ -33,8 +34,9 @@ def add_arguments(parser):
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
                             help=f"{help_text} (default: the model's generation config)")
     kinds = {"steps": int, "block_length": int, "cfg_scale": float, "threshold": float, "mask_token_id": int,
-             "factor": float, "entropy_bound": float, "editing_threshold": float, "max_post_steps": int}
-    choices = {"remasking": REMASKING, "cache": CACHE_MODES, "compile": tuple(COMPILE_CHOICES)}
+             "factor": float, "entropy_bound": float, "editing_threshold": float, "max_post_steps": int,
+             "schedule_eps": float, "sub_block_length": int}
+    choices = {"remasking": REMASKING, "cache": CACHE_MODES, "compile": tuple(COMPILE_CHOICES), "schedule": SCHEDULES}
     for name, (default, help_text) in DLM_GENERATION_FIELDS.items():
         flag = f"--{name.replace('_', '-')}"
         if isinstance(default, bool):

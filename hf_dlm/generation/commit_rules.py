@@ -6,7 +6,9 @@ A step's decision has three parts, each from the registry:
   top-1 minus top-2 margin, minus the entropy);
 - a count: LLaDA's per-step budget of the best-ranked masks (default), or a rule that decides how many
   itself and ignores `steps`: `threshold`, `factor`, `entropy_bound`;
-- an optional edit (`editing_threshold`, beside `threshold`): committed tokens of the current block re-decided.
+- an optional edit (`editing_threshold`, beside `threshold`): committed tokens of the current block re-decided;
+- which masks of the block are candidates at all (`block_candidates`): every one, or Fast-dLLM v2's sub-block
+  (`sub_block_length`) and lone first token (`first_token_alone`).
 
 `decide_step` applies them to a batch of rows that share settings (`CommitSettings`); the candidates are
 Gumbel-max draws in float64 (LLaDA), the [MASK] token never a candidate.
@@ -24,7 +26,8 @@ from .sampling import add_gumbel_noise, confidence_scores, filter_logits
 @dataclass(frozen=True)
 class CommitRule:
     name: str
-    kind: str  # "order": ranks masks; "count": how many masks a step commits; "edit": re-decides committed tokens
+    kind: str  # "order": ranks masks; "count": how many masks a step commits; "edit": re-decides committed tokens;
+    # "candidates": which masks of the block a step may commit
     source: str
 
 
@@ -46,6 +49,10 @@ _register("factor", "count", "Fast-dLLM get_transfer_index_dynamic: the longest 
           "with c_(i) >= 1 - factor / (i + 1), at least one")
 _register("entropy_bound", "count", "EB sampler (arXiv 2505.24857; transformers EntropyBoundSampler.accept_canvas, "
           "SGLang eb_sampling): the k lowest-entropy masks with sum - max <= bound")
+_register("sub_block_length", "candidates", "Fast-dLLM v2 batch_sample (small_block_size): the masks of the "
+          "block's first unfinished sub-block")
+_register("first_token_alone", "candidates", "Fast-dLLM v2 batch_sample: a block's first token comes alone from the "
+          "previous position's logits (the forward that completes the previous block)")
 _register("editing_threshold", "edit", "LLaDA2.1 generate (diffusers BlockRefinementScheduler editing_threshold): "
           "committed tokens of the block replaced where p > editing_threshold and the prediction differs")
 
@@ -65,18 +72,41 @@ class CommitSettings:
     factor: float | None = None
     entropy_bound: float | None = None
     editing_threshold: float | None = None
+    sub_block_length: int | None = None
+    first_token_alone: bool = False
 
     @classmethod
     def from_config(cls, config) -> "CommitSettings":
         """From a `DLMGenerationConfig` (greedy whatever the temperature when do_sample is off)."""
         return cls(temperature=config.sampling_temperature, top_k=config.top_k or None, top_p=config.top_p,
                    remasking=config.remasking, threshold=config.threshold, factor=config.factor,
-                   entropy_bound=config.entropy_bound, editing_threshold=config.editing_threshold)
+                   entropy_bound=config.entropy_bound, editing_threshold=config.editing_threshold,
+                   sub_block_length=config.sub_block_length, first_token_alone=bool(config.first_token_alone))
 
     @property
     def count_rule(self) -> str:
         """"budget" (LLaDA's steps) or the rule in COUNT_RULES that is set."""
         return next((name for name in COUNT_RULES if getattr(self, name) is not None), "budget")
+
+
+# ---- candidates -----------------------------------------------------------------------------------------------
+def block_candidates(masks: torch.Tensor, offset, settings: CommitSettings) -> torch.Tensor:
+    """masks (B, W): the masked slots of each row's current block; offset: int or (B,) the place of column 0 in its
+    aligned block (0 at an aligned block start). -> (B, W) bool, the step's candidates: every mask, or the masks of
+    the first sub-block of `sub_block_length` (aligned to the block start) that has any, or, with
+    `first_token_alone`, the block's first position alone while it is masked."""
+    if not settings.sub_block_length and not settings.first_token_alone:
+        return masks
+    offset = torch.as_tensor(offset, device=masks.device).reshape(-1, 1)
+    place = torch.arange(masks.shape[1], device=masks.device).unsqueeze(0) + offset  # (B, W) in the aligned block
+    if settings.sub_block_length:
+        sub = torch.div(place, settings.sub_block_length, rounding_mode="floor")
+        first = torch.where(masks, sub, torch.iinfo(sub.dtype).max).min(-1, keepdim=True).values
+        masks = masks & sub.eq(first)
+    if settings.first_token_alone:
+        lone = masks & place.eq(0)
+        masks = torch.where(lone.any(-1, keepdim=True), lone, masks)
+    return masks
 
 
 # ---- count rules: confidence (B, W) with -inf where not a candidate -> (B, W) bool --------------------------
@@ -162,5 +192,6 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
     return torch.where(commit, x0, current), edited
 
 
-__all__ = ["COMMIT_RULES", "COUNT_RULES", "REMASKING", "CommitRule", "CommitSettings", "budget_commits",
+__all__ = ["COMMIT_RULES", "COUNT_RULES", "REMASKING", "CommitRule", "CommitSettings", "block_candidates",
+           "budget_commits",
            "decide_step", "editing_commits", "entropy_bound_commits", "factor_commits", "threshold_commits"]

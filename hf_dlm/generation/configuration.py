@@ -6,6 +6,7 @@ from transformers import GenerationConfig
 
 from ..utils.errors import FieldError
 from .commit_rules import COUNT_RULES, REMASKING
+from .sampling import SCHEDULES
 from .compiled_step import COMPILE_CHOICES
 
 CACHE_MODES = ("none", "prefix", "dual")
@@ -15,6 +16,22 @@ DLM_GENERATION_FIELDS = {
     "steps": (None, "forward passes in total (default: max_new_tokens, one token per step), split evenly over blocks"),
     "block_length": (None, "semi-autoregressive block length (default: max_new_tokens, one block)"),
     "remasking": ("low_confidence", f"which masked positions to commit first: one of {REMASKING}"),
+    "schedule": ("even", f"how many masks each step of a block commits under LLaDA's budget (no count rule set): one "
+                 f"of {SCHEDULES}; 'even': masks // steps per step, the remainder first (LLaDA "
+                 "get_num_transfer_tokens); 'dream': Dream's `_sample`, timesteps linspace(1, schedule_eps, steps + 1), "
+                 "step i commits int(m * (1 - t[i+1] / t[i])) of the m masks left (float32), all at the last step"),
+    "schedule_eps": (1e-3, "schedule='dream': the last timestep (Dream's eps)"),
+    "align_blocks": (False, "blocks aligned to multiples of block_length in the row's positions (LLaDA2.x, SDAR, "
+                     "Fast-dLLM v2): the prompt's partial last block is decoded first, the last block is decoded whole "
+                     "(its masks past max_new_tokens take part, as in those generate codes) and the output cut at "
+                     "max_new_tokens; False: blocks start at the prompt end (LLaDA). steps, when set, is split over the "
+                     "row's blocks"),
+    "sub_block_length": (None, "Fast-dLLM v2: a block's masks are decided in sub-blocks of this length (aligned to the "
+                         "block start), left to right: a step's candidates are the masks of the first sub-block that "
+                         "has any; needs a count rule (threshold, factor or entropy_bound)"),
+    "first_token_alone": (False, "Fast-dLLM v2: when a block's first position (an aligned block start) is masked, the "
+                          "block's first step commits it alone (shifted models: the next-token prediction of the "
+                          "previous block's last position); needs a count rule (threshold, factor or entropy_bound)"),
     "cfg_scale": (0.0, "classifier-free guidance: un + (s + 1) * (cond - un), the prompt masked for un"),
     "threshold": (None, "Fast-dLLM parallel decoding: commit every masked token of the block whose confidence "
                   "is >= threshold (at least the most confident one) until the block is done; steps is then ignored"),
@@ -113,6 +130,18 @@ class DLMGenerationConfig(GenerationConfig):
                              f"(leave them at their defaults)")
         if self.remasking not in REMASKING:
             fail("remasking", f"one of {REMASKING}")
+        if self.schedule not in SCHEDULES:
+            fail("schedule", f"one of {SCHEDULES}")
+        if not 0.0 < float(self.schedule_eps) < 1.0:
+            fail("schedule_eps", "in (0, 1)")
+        if not isinstance(self.align_blocks, bool):
+            fail("align_blocks", "a bool")
+        if not isinstance(self.first_token_alone, bool):
+            fail("first_token_alone", "a bool")
+        for name in ("sub_block_length", "first_token_alone"):
+            if getattr(self, name) and not any(getattr(self, rule) is not None for rule in COUNT_RULES):
+                fail(name, f"used with a count rule ({', '.join(COUNT_RULES)}): LLaDA's per-step budget counts the "
+                     "whole block; set one of them or unset")
         if self.cache not in CACHE_MODES:
             fail("cache", f"one of {CACHE_MODES}")
         if self.compile not in (None, True, False) and self.compile not in COMPILE_CHOICES:
@@ -135,7 +164,7 @@ class DLMGenerationConfig(GenerationConfig):
                      "for committed tokens); set threshold too or")
         if not isinstance(self.max_post_steps, int) or isinstance(self.max_post_steps, bool) or self.max_post_steps < 1:
             fail("max_post_steps", "an integer >= 1")
-        for name in ("steps", "block_length", "max_new_tokens"):
+        for name in ("steps", "block_length", "max_new_tokens", "sub_block_length"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 fail(name, "an integer >= 1")

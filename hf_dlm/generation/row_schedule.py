@@ -1,38 +1,52 @@
 """One row's block schedule, for decoders whose rows move independently (the serving engine): the same
-blocks, LLaDA budgets, Fast-dLLM refresh / window spans and LLaDA2.1 editing end as `model.generate`, kept
-per row so that a row whose block is done moves on at once (early block departure) and rows join or leave
-between steps."""
+blocks (aligned or not), LLaDA / Dream budgets, Fast-dLLM refresh / window spans and LLaDA2.1 editing end as
+`model.generate`, kept per row so that a row whose block is done moves on at once (early block departure) and
+rows join or leave between steps."""
 
 from __future__ import annotations
 
 import torch
 
+from ..utils.errors import FieldError
 from .commit_rules import CommitSettings
-from .sampling import num_transfer_tokens
+from .sampling import block_bounds, transfer_schedule
 
 
 class RowSchedule:
-    def __init__(self, prompt_len: int, max_new_tokens: int, block_length: int, steps: int, settings: CommitSettings,
-                 cache: str = "none", max_post_steps: int = 16, shift: int = 0):
+    def __init__(self, prompt_len: int, max_new_tokens: int, block_length: int, steps: int | None,
+                 settings: CommitSettings, cache: str = "none", max_post_steps: int = 16, shift: int = 0,
+                 align_blocks: bool = False, schedule: str = "even", schedule_eps: float = 1e-3):
         self.prompt_len, self.block_length, self.settings = prompt_len, block_length, settings
         self.cache, self.max_post_steps, self.shift = cache, max_post_steps, shift
-        self.length = prompt_len + max_new_tokens
-        self.num_blocks = max_new_tokens // block_length
-        self.steps_per_block = steps // self.num_blocks
+        self.schedule, self.schedule_eps = schedule, schedule_eps
+        # a row has no left padding: aligned blocks fall on multiples of block_length from slot 0
+        self.blocks, self.length = block_bounds(prompt_len, max_new_tokens, block_length, 0 if align_blocks else None)
+        self.output_length = prompt_len + max_new_tokens  # aligned blocks: the canvas runs on to the last block's end
+        self.num_blocks = len(self.blocks)
+        if steps is not None and steps % self.num_blocks:
+            raise FieldError("steps", f"steps ({steps}) must be a multiple of the row's number of blocks "
+                             f"({self.num_blocks})", steps)
+        self.steps_per_block = block_length if steps is None else steps // self.num_blocks
         self.parallel = settings.count_rule != "budget"  # the rule decides how many per step
         self.editing = settings.editing_threshold is not None
-        # at a block start every position of the block is masked: LLaDA's budget needs no device read
-        self.budget = num_transfer_tokens(torch.tensor([block_length]), self.steps_per_block)[0].tolist()
         self.block = 0
         self._start_block()
 
     def _start_block(self):
         self.step, self.has_masks, self.settled, self.post_steps = 0, True, False, 0
+        # at a block start every position of the block is masked: LLaDA's budget needs no device read
+        start, end, _ = self.blocks[self.block]
+        self.budget = transfer_schedule(torch.tensor([end - start]), self.steps_per_block, self.schedule,
+                                        self.schedule_eps)[0].tolist()
 
     @property
     def window(self) -> tuple[int, int]:
-        start = self.prompt_len + self.block * self.block_length
-        return start, start + self.block_length
+        return self.blocks[self.block][:2]
+
+    @property
+    def offset(self) -> int:
+        """The block's first slot counted from its aligned start (`block_candidates`)."""
+        return self.blocks[self.block][2]
 
     def block_done(self) -> bool:
         if self.parallel:

@@ -1,13 +1,18 @@
 """`model.generate` for DLMs: LLaDA's semi-autoregressive masked-diffusion sampler and Fast-dLLM's
 threshold decoding and KV caches.
 
-Canvas = prompt + `max_new_tokens` masks, split into blocks of `block_length` decoded left to right;
-`steps` forward passes are shared evenly over the blocks. Each step (LLaDA `generate.py` semantics):
+Canvas = prompt + `max_new_tokens` masks, split into blocks of `block_length` decoded left to right
+(`align_blocks`: blocks on multiples of block_length in the row's positions, the prompt's partial block first,
+the canvas run on to the end of the last block and the output cut at max_new_tokens, as LLaDA2.x / SDAR /
+Fast-dLLM v2 generate); `steps` forward passes are shared evenly over the blocks, and a block's steps commit
+masks // steps each (LLaDA) or Dream's timestep counts (`schedule="dream"`). Each step (LLaDA `generate.py`
+semantics):
 candidates `x0 = argmax(logits + Gumbel noise at temperature T)` (float64 noise; T = 0 is argmax), a
 confidence per position (`remasking`), -inf after the current block and on committed tokens, then the
 `num_transfer_tokens` most confident masked positions are committed (or, with `threshold`, every one
 whose confidence is >= threshold and at least the best). Masks inside the prompt (infilling) compete
-with the current block, as in LLaDA.
+with the current block, as in LLaDA. Fast-dLLM v2 narrows a step's candidates (`block_candidates`): the first
+sub-block of `sub_block_length` with masks left, and a block's first token alone (`first_token_alone`).
 
 Caches (`cache`):
 - bidirectional models: `prefix` / `dual` are Fast-dLLM's caches and APPROXIMATE by nature: at each
@@ -30,7 +35,9 @@ streamer one per step.
 
 Every row is decoded as if alone: left padding with an attention mask works in every mode and cache
 setting, and a row leaves the forward batch once it has nothing left to commit in the current block
-(threshold decoding, exhausted budget) or has finished (EOS to the end): it then costs no compute.
+(threshold decoding, exhausted budget) or has finished (EOS to the end): it then costs no compute. With
+`align_blocks`, rows whose left padding puts their block boundaries on different slots are decoded as separate
+batches, one after the other (`_block_phase_groups`).
 """
 
 from __future__ import annotations
@@ -44,8 +51,8 @@ from transformers.utils import ModelOutput
 from .cache import DLMKVCache
 from .compiled_step import MAX_COMPILED_GRAPHS, StepGraphs, compiled_forward, resolve_compile, static_forward
 from .configuration import DLM_GENERATION_FIELDS, EXTRA_GENERATE_KWARGS, DLMGenerationConfig
-from .commit_rules import CommitSettings, decide_step
-from .sampling import finished_rows, num_transfer_tokens
+from .commit_rules import CommitSettings, block_candidates, decide_step
+from .sampling import block_bounds, finished_rows, transfer_schedule
 
 
 @dataclass
@@ -117,11 +124,33 @@ class DLMGenerationMixin:
             input_ids = input_ids.repeat_interleave(copies, dim=0)
             if attention_mask is not None:
                 attention_mask = attention_mask.repeat_interleave(copies, dim=0)
-        sampler = DiffusionSampler(self, config, generator)
-        sequences = sampler.run(input_ids, attention_mask, streamer, callback)
+        sequences, forward_batch_sizes = None, []
+        for rows in _block_phase_groups(config, input_ids, attention_mask):
+            sampler = DiffusionSampler(self, config, generator)
+            if rows is None:
+                sequences = sampler.run(input_ids, attention_mask, streamer, callback)
+            else:  # rows whose padding puts their aligned blocks on other slots: decoded as another batch
+                out = sampler.run(input_ids[rows], attention_mask[rows], streamer, callback)
+                if sequences is None:
+                    sequences = out.new_zeros(input_ids.shape[0], out.shape[1])
+                sequences[rows] = out
+            forward_batch_sizes += sampler.forward_batch_sizes
         if config.return_dict_in_generate:
-            return DLMGenerateOutput(sequences=sequences, forward_batch_sizes=sampler.forward_batch_sizes)
+            return DLMGenerateOutput(sequences=sequences, forward_batch_sizes=forward_batch_sizes)
         return sequences
+
+
+def _block_phase_groups(config: DLMGenerationConfig, input_ids, attention_mask) -> list:
+    """[None] (one batch), or with `align_blocks` and left padding that differs mod block_length between rows,
+    the row indices of each group of rows whose aligned blocks fall on the same canvas slots."""
+    if not config.align_blocks or attention_mask is None:
+        return [None]
+    block_length = config.block_length or config.max_new_tokens
+    phase = (input_ids.shape[1] - attention_mask.sum(-1)) % block_length
+    values = phase.unique()
+    if values.numel() == 1:
+        return [None]
+    return [(phase == value).nonzero().squeeze(1) for value in values]
 
 
 def _known_generate_kwargs() -> set:
@@ -271,17 +300,30 @@ class DiffusionSampler:
         batch, prompt_len = input_ids.shape
         new_tokens = cfg.max_new_tokens or 64
         block_length = cfg.block_length or new_tokens
-        steps = cfg.steps or new_tokens
-        if new_tokens % block_length:
-            raise ValueError(f"max_new_tokens ({new_tokens}) must be a multiple of block_length ({block_length})")
-        num_blocks = new_tokens // block_length
-        if steps % num_blocks:
-            raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks ({num_blocks})")
-        steps_per_block = steps // num_blocks
         if streamer is not None and batch != 1:
             raise ValueError("generate(streamer=...) streams one sequence; pass a batch of 1 or use callback")
+        phase = None
+        if cfg.align_blocks:  # every row's left padding must put block boundaries on the same canvas slots
+            pads = prompt_len if attention_mask is None else prompt_len - attention_mask.sum(-1)
+            phases = set((torch.as_tensor(pads).reshape(-1) % block_length).tolist()) if attention_mask is not None \
+                else {0}
+            if len(phases) > 1:
+                raise ValueError("align_blocks: the rows' padding puts their block boundaries on different slots; "
+                                 "generate() decodes such rows in groups (DiffusionSampler.run takes one group)")
+            phase = phases.pop()
+        elif new_tokens % block_length:
+            raise ValueError(f"max_new_tokens ({new_tokens}) must be a multiple of block_length ({block_length})")
+        blocks, total = block_bounds(prompt_len, new_tokens, block_length, phase)
+        num_blocks = len(blocks)
+        if cfg.steps is not None and cfg.steps % num_blocks:
+            raise ValueError(f"steps ({cfg.steps}) must be a multiple of the number of blocks ({num_blocks})")
+        steps_per_block = block_length if cfg.steps is None else cfg.steps // num_blocks
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and total > limit:
+            raise ValueError(f"generate(align_blocks=True): the canvas, extended to the end of its last block, has "
+                             f"{total} positions, over the model's max_position_embeddings ({limit})")
 
-        device, total = input_ids.device, prompt_len + new_tokens
+        device, out_end = input_ids.device, prompt_len + new_tokens
         canvas = torch.full((batch, total), mask_id, dtype=torch.long, device=device)
         canvas[:, :prompt_len] = input_ids
         self.full_mask = torch.ones_like(canvas)
@@ -290,13 +332,18 @@ class DiffusionSampler:
         self.prompt_tokens = torch.zeros_like(canvas, dtype=torch.bool)
         self.prompt_tokens[:, :prompt_len] = self.full_mask[:, :prompt_len].bool()
         infill = bool((canvas[:, :prompt_len].eq(mask_id) & self.prompt_tokens[:, :prompt_len]).any())
+        settings = CommitSettings.from_config(cfg)
+        if infill and (settings.sub_block_length or settings.first_token_alone):
+            raise ValueError("sub_block_length / first_token_alone decide a block's masks in order; masks inside the "
+                             "prompt (infilling) are not supported with them")
         if infill and cfg.cache != "none":
             raise ValueError("masks inside the prompt (infilling) need cache='none': cached steps never revisit the prompt")
         choice = resolve_compile(cfg.compile, device)
         if choice is not None:
-            if infill or self.exact_cache:
-                raise ValueError("generate(compile=...) supports neither infilling (masks inside the prompt) nor the "
-                                 "exact cache of attention_mode='block' / 'causal' models; use compile=None there")
+            if infill or self.exact_cache or cfg.align_blocks:
+                raise ValueError("generate(compile=...) supports neither infilling (masks inside the prompt), the "
+                                 "exact cache of attention_mode='block' / 'causal' models nor align_blocks (blocks of "
+                                 "several sizes); use compile=None there")
             if not (isinstance(getattr(self.model, "model", None), torch.nn.Module)
                     and isinstance(getattr(self.model, "lm_head", None), torch.nn.Module)):
                 raise ValueError("generate(compile=...) needs a DLM with .model (backbone) and .lm_head")
@@ -321,16 +368,15 @@ class DiffusionSampler:
             streamer.put(input_ids.cpu())
         streamed, step_count, query_floor = 0, 0, 0
         done = torch.zeros(batch, dtype=torch.bool, device=device)
-        settings = CommitSettings.from_config(cfg)
         parallel = settings.count_rule != "budget"  # the rule decides how many: the block runs until it is done
         editing = settings.editing_threshold is not None
 
-        for block in range(num_blocks):
-            start, end = prompt_len + block * block_length, prompt_len + (block + 1) * block_length
+        for block, (start, end, offset) in enumerate(blocks):
             window = (0 if infill else start, end)  # positions this block's steps may commit
             # LLaDA's budget counts the block's masks; infilling masks of the prompt are eligible too, so
             # they join the budget (LLaDA would leave masks behind when they take the block's share)
-            budget = num_transfer_tokens(canvas[:, window[0] : end].eq(mask_id).sum(1), steps_per_block)
+            budget = transfer_schedule(canvas[:, window[0] : end].eq(mask_id).sum(1), steps_per_block, cfg.schedule,
+                                       cfg.schedule_eps)
             if self.exact_cache:  # the model blocks overlapping this sampler block, per row
                 size = self.cache_block
                 block_start = pads + torch.div(start - pads, size, rounding_mode="floor") * size
@@ -370,11 +416,11 @@ class DiffusionSampler:
                 if rows is None:  # compiled: every row; rows with nothing to commit stay as they are
                     rows = slice(None)
                 current = canvas[rows, window[0] : window[1]]
-                candidates = current.eq(mask_id)
-                candidates[:, end - window[0] :] = False  # confined to the current block
+                masks = current.eq(mask_id)
+                candidates = block_candidates(masks, offset, settings)  # the window is the block unless infilling
                 editable = None
                 if editing:  # committed tokens of the current block (never the prompt: the block starts after it)
-                    editable = ~candidates
+                    editable = ~masks
                     editable[:, : start - window[0]] = False
                 row_budget = None if parallel else budget[rows, step]
                 tokens, edited = decide_step(logits, current, candidates, settings, row_budget, self.generator, editable,
@@ -384,7 +430,7 @@ class DiffusionSampler:
                 canvas[rows, window[0] : window[1]] = tokens
                 if editing:
                     began_free = torch.zeros_like(done)
-                    began_free[rows] = ~candidates.any(1)
+                    began_free[rows] = ~masks.any(1)
                     began_free &= active
                     post_steps += began_free.long()
                     row_edited = torch.zeros_like(done)
@@ -394,19 +440,19 @@ class DiffusionSampler:
                 if callback is not None:
                     callback(canvas=canvas, step=step_count, block=block)
                 if streamer is not None:
-                    pending = canvas[0, prompt_len:].eq(mask_id).nonzero()
+                    pending = canvas[0, prompt_len:out_end].eq(mask_id).nonzero()
                     ready = int(pending[0]) if len(pending) else new_tokens
                     if editing:  # the current block's tokens may still be edited: stream finished blocks only
                         ready = min(ready, start - prompt_len)
                     if ready > streamed:
                         streamer.put(canvas[0, prompt_len + streamed : prompt_len + ready].cpu())
                         streamed = ready
-            if editing and streamer is not None and end - prompt_len > streamed:  # the block is settled
-                streamer.put(canvas[0, prompt_len + streamed : end].cpu())
-                streamed = end - prompt_len
+            if editing and streamer is not None and min(end, out_end) - prompt_len > streamed:  # the block is settled
+                streamer.put(canvas[0, prompt_len + streamed : min(end, out_end)].cpu())
+                streamed = min(end, out_end) - prompt_len
             if self.exact_cache:
                 query_floor = query_lo
-            if cfg.stop_on_eos and self.eos_ids and end < total:
+            if cfg.stop_on_eos and self.eos_ids and end < out_end:
                 newly = finished_rows(canvas[:, start:end], eos_ids) & ~done
                 # LLaDA-style models pad the answer with EOS: the rest of the row is EOS (no host sync)
                 tail = canvas[:, end:]
@@ -416,6 +462,6 @@ class DiffusionSampler:
                     break
         if streamer is not None:
             if streamed < new_tokens:
-                streamer.put(canvas[0, prompt_len + streamed :].cpu())
+                streamer.put(canvas[0, prompt_len + streamed : out_end].cpu())
             streamer.end()
-        return canvas
+        return canvas[:, :out_end]

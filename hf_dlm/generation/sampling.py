@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+SCHEDULES = ("even", "dream")
+
 
 def num_transfer_tokens(masked_count: torch.Tensor, steps: int) -> torch.Tensor:
     """Tokens to commit at each of `steps` steps: `masked_count // steps` each, the remainder one each
@@ -13,6 +15,50 @@ def num_transfer_tokens(masked_count: torch.Tensor, steps: int) -> torch.Tensor:
     remainder = (masked_count % steps).unsqueeze(1)
     step_index = torch.arange(steps, device=masked_count.device).unsqueeze(0)
     return base + (step_index < remainder).long()
+
+
+def dream_transfer_tokens(masked_count: torch.Tensor, steps: int, eps: float = 1e-3) -> torch.Tensor:
+    """Dream's per-step count (`DreamGenerationMixin._sample`): timesteps t = linspace(1, eps, steps + 1); step i
+    commits int(m * (1 - t[i+1] / t[i])) of the m masks left, every one left at the last step. Each step commits
+    exactly its count, so the counts follow from the block's masks; computed on the host in float32, as Dream
+    computes them (the truncation makes early steps of long schedules commit nothing). (B,) -> (B, steps)."""
+    timesteps = torch.linspace(1, eps, steps + 1)
+    left = masked_count.detach().to("cpu", torch.long)
+    counts = []
+    for i in range(steps):
+        t, s = timesteps[i], timesteps[i + 1]
+        count = (left.float() * (1 - s / t)).long() if i < steps - 1 else left
+        counts.append(count)
+        left = left - count
+    return torch.stack(counts, 1).to(masked_count.device)
+
+
+def transfer_schedule(masked_count: torch.Tensor, steps: int, schedule: str = "even", eps: float = 1e-3):
+    """Tokens each of a block's `steps` steps commits under LLaDA's budget: `schedule` "even" (LLaDA) or "dream"."""
+    if schedule == "dream":
+        return dream_transfer_tokens(masked_count, steps, eps)
+    return num_transfer_tokens(masked_count, steps)
+
+
+def block_bounds(prompt_len: int, new_tokens: int, block_length: int, phase: int | None = None):
+    """The sampler's blocks over a canvas whose prompt ends at `prompt_len` -> ([(start, end, offset)], canvas length).
+
+    phase None: blocks of block_length from the prompt end (LLaDA); the canvas holds prompt + new_tokens (a multiple
+    of block_length). phase (the canvas index of position 0, mod block_length: the row's left padding): blocks
+    aligned to multiples of block_length in the row's positions (LLaDA2.x, SDAR, Fast-dLLM v2 generate): the first
+    block is the rest of the prompt's partial block, the canvas is extended to the end of the last block (the caller
+    cuts the output at new_tokens). offset: the block's first canvas slot, counted from its aligned start."""
+    if phase is None:
+        blocks = [(prompt_len + k * block_length, prompt_len + (k + 1) * block_length, 0)
+                  for k in range(new_tokens // block_length)]
+        return blocks, prompt_len + new_tokens
+    total = prompt_len + new_tokens + (phase - prompt_len - new_tokens) % block_length
+    blocks, start = [], prompt_len
+    while start < total:
+        offset = (start - phase) % block_length
+        blocks.append((start, start + block_length - offset, offset))
+        start += block_length - offset
+    return blocks, total
 
 
 def add_gumbel_noise(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None):

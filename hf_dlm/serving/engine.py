@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generation.configuration import DLMGenerationConfig
-from ..generation.commit_rules import CommitSettings, decide_step
+from ..generation.commit_rules import CommitSettings, block_candidates, decide_step
 from ..generation.compiled_step import COMPILE_CHOICES, MAX_COMPILED_GRAPHS, StepGraphs, resolve_compile
 from ..generation.row_schedule import RowSchedule
 from ..generation.sampling import finished_rows
@@ -54,7 +54,7 @@ class SamplingParams:
 
     max_new_tokens: int
     block_length: int
-    steps: int
+    steps: int | None
     temperature: float = 0.0
     top_p: float | None = None
     top_k: int | None = None
@@ -68,11 +68,17 @@ class SamplingParams:
     entropy_bound: float | None = None
     editing_threshold: float | None = None
     max_post_steps: int = 16
+    align_blocks: bool = False  # steps is then None (one token a step) or split over the row's own blocks
+    schedule: str = "even"
+    schedule_eps: float = 1e-3
+    sub_block_length: int | None = None
+    first_token_alone: bool = False
 
     @property
     def settings(self) -> CommitSettings:
         return CommitSettings(self.temperature, self.top_k or None, self.top_p, self.remasking, self.threshold,
-                              self.factor, self.entropy_bound, self.editing_threshold)
+                              self.factor, self.entropy_bound, self.editing_threshold, self.sub_block_length,
+                              self.first_token_alone)
 
     @classmethod
     def from_generation_config(cls, generation_config, attention_mode: str = "bidirectional",
@@ -86,12 +92,14 @@ class SamplingParams:
         block_length = config.block_length or new_tokens
         if block_length <= 0:
             raise FieldError("block_length", f"block_length must be positive, got {block_length}", block_length)
-        if new_tokens % block_length:
+        if new_tokens % block_length and not config.align_blocks:
             raise FieldError("max_new_tokens", f"max_tokens ({new_tokens}) must be a multiple of block_length "
                              f"({block_length})", new_tokens)
         num_blocks = new_tokens // block_length
         steps = config.steps or new_tokens
-        if steps <= 0 or steps % num_blocks:
+        if config.align_blocks:  # the row's blocks follow from its prompt length (RowSchedule checks steps)
+            steps = config.steps
+        elif steps <= 0 or steps % num_blocks:
             raise FieldError("steps", f"steps ({steps}) must be a positive multiple of the number of blocks "
                              f"({num_blocks})", steps)
         # the exact cache of 'block' / 'causal' models gives the uncached tokens: those rows run uncached
@@ -101,7 +109,9 @@ class SamplingParams:
                    threshold=config.threshold, remasking=config.remasking, stop_on_eos=config.stop_on_eos, seed=seed,
                    cache=cache, cfg_scale=config.cfg_scale or 0.0, factor=config.factor,
                    entropy_bound=config.entropy_bound, editing_threshold=config.editing_threshold,
-                   max_post_steps=config.max_post_steps)
+                   max_post_steps=config.max_post_steps, align_blocks=config.align_blocks, schedule=config.schedule,
+                   schedule_eps=config.schedule_eps, sub_block_length=config.sub_block_length,
+                   first_token_alone=config.first_token_alone)
 
 
 @dataclass
@@ -151,7 +161,8 @@ class _Row:
         self.prompt_len = len(request.prompt_ids)
         self.settings = params.settings
         self.schedule = RowSchedule(self.prompt_len, params.max_new_tokens, params.block_length, params.steps,
-                                    self.settings, params.cache, params.max_post_steps, shift)
+                                    self.settings, params.cache, params.max_post_steps, shift, params.align_blocks,
+                                    params.schedule, params.schedule_eps)
         self.generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
 
     @property
@@ -225,18 +236,22 @@ class ContinuousBatchingEngine:
         max_new_tokens exceeds the model's positions, QueueFullError when the waiting queue would exceed
         `max_waiting`, EngineStoppedError while shutting down."""
         for request in requests:
-            length = len(request.prompt_ids) + request.params.max_new_tokens
+            params = request.params
+            length = len(request.prompt_ids) + params.max_new_tokens
+            if params.align_blocks:  # the canvas runs on to the end of the last aligned block
+                length += -length % params.block_length
             if not request.prompt_ids:
                 raise FieldError("prompt", "the prompt is empty", request.prompt_ids)
             if self.max_length is not None and length > self.max_length:
                 limit = ("the model's max_position_embeddings" if self.max_length == self.max_positions
                          else "the engine's max_length")
+                to_block_end = " to the end of its last block" if params.align_blocks else ""
                 raise FieldError("max_new_tokens", f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
-                                 f"({request.params.max_new_tokens}) exceeds {limit} ({self.max_length})",
-                                 request.params.max_new_tokens)
-            if request.params.cfg_scale and self.max_batch_size < 2:
-                raise FieldError("cfg_scale", "cfg_scale: a guided row and its unconditional copy take two lanes; this engine "
-                                 f"runs at most max_batch_size={self.max_batch_size}", request.params.cfg_scale)
+                                 f"({params.max_new_tokens}){to_block_end} exceeds {limit} ({self.max_length})",
+                                 params.max_new_tokens)
+            if params.cfg_scale and self.max_batch_size < 2:
+                raise FieldError("cfg_scale", "cfg_scale: a guided row and its unconditional copy take two lanes; "
+                                 f"this engine runs at most max_batch_size={self.max_batch_size}", params.cfg_scale)
         with self.lock:
             if self.stopping:
                 raise EngineStoppedError("the server is shutting down")
@@ -291,7 +306,7 @@ class ContinuousBatchingEngine:
                 lanes += len(row.lanes)
                 length = row.schedule.length
                 self.storage.reserve(max(row.lanes) + 1, length)
-                canvas = request.prompt_ids + [self.mask_id] * request.params.max_new_tokens
+                canvas = request.prompt_ids + [self.mask_id] * (length - row.prompt_len)
                 self.storage.canvas[lane, :length] = torch.tensor(canvas, device=self.device)
 
     # ---- one scheduler iteration ---------------------------------------------------------------
@@ -328,7 +343,8 @@ class ContinuousBatchingEngine:
         entries += [(row, row.uncond_lane, True) for row in rows if row.uncond_lane is not None]
         spans = [row.schedule.query_span() for row, _, _ in entries]
         compiled = self.compiled is not None and bool(self.storage.keys)  # the first forward allocates, eagerly
-        heads = [(row.schedule.window[0] - self.shift, row.params.block_length) for row, _, _ in entries]
+        heads = [(row.schedule.window[0] - self.shift, row.schedule.window[1] - row.schedule.window[0])
+                 for row, _, _ in entries]
         step = RaggedStep(self.storage, [lane for _, lane, _ in entries], [s for s, _ in spans],
                           [e - s for s, e in spans], [row.schedule.length for row, _, _ in entries],
                           self.attention_mode, self.block_size, buckets=compiled, heads=heads,
@@ -400,21 +416,22 @@ class ContinuousBatchingEngine:
         width = max(row.params.block_length for row in group)
         columns = torch.arange(width, device=self.device)
         budgets = [row.schedule.step_budget or 0 for row in group]
-        starts, lengths, lanes, budget = torch.tensor(  # one upload
-            [[row.schedule.window[0] for row in group], [row.params.block_length for row in group],
-             [row.lane for row in group], budgets]).to(self.device)
+        starts, lengths, lanes, budget, offsets = torch.tensor(  # one upload
+            [[row.schedule.window[0] for row in group], [row.schedule.window[1] - row.schedule.window[0] for row in group],
+             [row.lane for row in group], budgets, [row.schedule.offset for row in group]]).to(self.device)
         valid = columns.unsqueeze(0) < lengths.unsqueeze(1)  # (g, W): a shorter block's columns beyond it
         cols = torch.where(valid, starts.unsqueeze(1) + columns, self.storage.trash)
         lanes = lanes.unsqueeze(1)
         current = self.storage.canvas[lanes, cols]
-        candidates = current.eq(self.mask_id) & valid
-        editable = ~candidates & valid if settings.editing_threshold is not None else None
+        masks = current.eq(self.mask_id) & valid
+        candidates = block_candidates(masks, offsets, settings)
+        editable = ~masks & valid if settings.editing_threshold is not None else None
         if settings.count_rule != "budget":
             budget = None
         tokens, edited = decide_step(logits[:, :width], current, candidates, settings, budget, group[0].generator,
                                      editable, self.mask_index)
         self.storage.canvas[lanes, cols] = tokens
-        return torch.stack([(tokens.eq(self.mask_id) & valid).any(1), candidates.any(1), edited], 1)
+        return torch.stack([(tokens.eq(self.mask_id) & valid).any(1), masks.any(1), edited], 1)
 
     def _count_forward(self, rows: int, tokens: int):
         self.stats["forward_passes"] += 1
@@ -425,9 +442,10 @@ class ContinuousBatchingEngine:
     def _end_block(self, row: _Row):
         request, params = row.request, row.params
         start, end = row.schedule.window
+        end = min(end, row.schedule.output_length)  # aligned blocks: the last one runs past max_new_tokens
         new_tokens = self.storage.canvas[row.lane, start:end].tolist()
         finished = False
-        if params.stop_on_eos and self.eos_ids and end < row.schedule.length:
+        if params.stop_on_eos and self.eos_ids and end < row.schedule.output_length:
             # the block ends in EOS and is EOS after its first EOS: the rest of the row would be EOS
             finished = bool(finished_rows(torch.tensor([new_tokens]), self.eos_tensor)[0])
         request.generated.extend(new_tokens)

@@ -126,10 +126,11 @@ class LLaDA2MoeModel(FamilyModelMixin, DLMModel):
 
 def block_threshold_defaults(threshold: float):
     """Block diffusion as LLaDA2's `generate` (threshold 0.95) and SDAR's `low_confidence_dynamic` (0.85) run it:
-    blocks of the model's block size, each step commits the block's masks above the threshold (at least the most
-    confident one), earlier blocks from the exact block cache, greedy."""
+    blocks of the model's block size aligned to the positions (the prompt's partial block is decoded first), each
+    step commits the block's masks above the threshold (at least the most confident one), earlier blocks from the
+    exact block cache, greedy."""
     return lambda config: {"block_length": config.block_size, "threshold": threshold, "cache": "prefix",
-                           "remasking": "low_confidence"}
+                           "remasking": "low_confidence", "align_blocks": True}
 
 
 class LLaDA2MoeModelLM(FamilyModelMixin, DLMForDiffusionLM):

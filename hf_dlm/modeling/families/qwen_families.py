@@ -82,10 +82,11 @@ class DreamModel(FamilyModelMixin, DLMForDiffusionLM):
     """Named as Dream's published class (which carries the LM head), so a saved config's `architectures` matches."""
 
     config_class = DreamConfig
-    # Dream's README call: 512 tokens, 512 steps, entropy ordering, temperature 0.2, top_p 0.95 (its own timestep
-    # schedule for how many tokens each step commits is not reproduced: the core splits them evenly)
+    # Dream's README call: 512 tokens, 512 steps, entropy ordering (alg="entropy", alg_temp 0), temperature 0.2,
+    # top_p 0.95, and its `_sample`'s timestep schedule for how many tokens each step commits (eps 1e-3)
     generation_defaults = staticmethod(lambda config: {"max_new_tokens": 512, "steps": 512, "remasking": "entropy",
-                                                        "do_sample": True, "temperature": 0.2, "top_p": 0.95})
+                                                        "do_sample": True, "temperature": 0.2, "top_p": 0.95,
+                                                        "schedule": "dream", "schedule_eps": 1e-3})
 
 
 class SDARModel(FamilyModelMixin, DLMModel):
@@ -112,9 +113,13 @@ class Fast_dLLM_QwenModel(FamilyModelMixin, DLMModel):  # noqa: N801 (the publis
 
 class Fast_dLLM_QwenForCausalLM(FamilyModelMixin, DLMForDiffusionLM):  # noqa: N801
     config_class = FastDLLMQwenConfig
-    # blocks of bd_size from the exact block cache, the token shift (label_alignment); Fast-dLLM v2's sub-blocks of
-    # 8 inside a block are not reproduced by the core
-    generation_defaults = staticmethod(lambda config: {"block_length": config.block_size, "cache": "prefix"})
+    # Fast-dLLM v2's batch_sample as its evaluation runs it: blocks of bd_size aligned to the positions (the prompt's
+    # partial block first), decoded in sub-blocks of 8 with threshold 0.95 (at least the most confident mask), each
+    # block's first token alone from the previous position's logits, the token shift (label_alignment), earlier
+    # blocks from the exact block cache, greedy
+    generation_defaults = staticmethod(lambda config: {
+        "block_length": config.block_size, "sub_block_length": 8, "threshold": 0.95, "first_token_alone": True,
+        "align_blocks": True, "cache": "prefix", "remasking": "low_confidence"})
 
 
 def sdar_moe_keys():

@@ -72,7 +72,7 @@ def _family_models() -> dict:
         "sdar_moe": lambda: f.SDARMoeForCausalLM(f.SDARMoeConfig(**_QWEN, head_dim=16, num_experts=4,
                                                                  num_experts_per_tok=2, moe_intermediate_size=16,
                                                                  norm_topk_prob=True)),
-        "Fast_dLLM_Qwen": lambda: f.Fast_dLLM_QwenForCausalLM(f.FastDLLMQwenConfig(**_QWEN, bd_size=8)),
+        "Fast_dLLM_Qwen": lambda: f.Fast_dLLM_QwenForCausalLM(f.FastDLLMQwenConfig(**_QWEN)),
         "lladamoe": lambda: f.LLaDAMoEModelLM(f.LLaDAMoEConfig(**_QWEN, expert_intermediate_size=16, num_experts=4,
                                                                num_experts_per_tok=2, shared_expert_intermediate_size=16,
                                                                qk_layernorm=True)),
@@ -497,11 +497,16 @@ def sft_config(output_dir, **overrides):
     return DLMSFTConfig(**options)
 
 
-def sft_trainer(output_dir, rows: int = 16, model_seed: int = 0, tokenizer=None, **overrides):
+def sft_trainer(output_dir, rows: int = 16, model_seed: int = 0, tokenizer=None, streaming: bool = False,
+                **overrides):
+    """streaming: the rows as a `datasets.IterableDataset` (one shard, no shuffle buffer)."""
     tokenizer = tokenizer or digit_tokenizer()
+    train_dataset = sft_rows(rows)
+    if streaming:
+        train_dataset = train_dataset.to_iterable_dataset(num_shards=1)
     return recording_sft_trainer_class()(model=sft_model(tokenizer, model_seed),
                                          args=sft_config(output_dir, **overrides),
-                                         train_dataset=sft_rows(rows), processing_class=tokenizer)
+                                         train_dataset=train_dataset, processing_class=tokenizer)
 
 
 def logged(trainer, key: str, after_step: int = 0) -> list:

@@ -413,7 +413,7 @@ class ContinuousBatchingEngine:
     def _commit_group(self, group: list[_Row], logits: torch.Tensor, settings: CommitSettings) -> torch.Tensor:
         """-> (g, 3) bool: has masks after the step, had masks before it, edited."""
         # the group's own width: a seeded row draws its noise for its block only, as generate alone does
-        width = max(row.params.block_length for row in group)
+        width = max(row.schedule.window[1] - row.schedule.window[0] for row in group)  # aligned: a partial block
         columns = torch.arange(width, device=self.device)
         budgets = [row.schedule.step_budget or 0 for row in group]
         starts, lengths, lanes, budget, offsets = torch.tensor(  # one upload

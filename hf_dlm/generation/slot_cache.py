@@ -146,16 +146,20 @@ class RaggedKV:
         self.keys, self.values = keys, values
         self.token_lane, self.token_slot, self.token_row, self.token_qpos = token_lane, token_slot, token_row, token_qpos
         self.q_index, self.mask, self.lanes = q_index, mask, lanes
+        self._groups = None
 
     @property
     def token_groups(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_index (rows, Q), valid (rows, Q)): which packed tokens form each row, for the layers that mix tokens
         besides attention (expert-choice MoE routes within each row, as if it were decoded alone). A padding
         column points at token 0, a real token only when it is row 0's first (rows are never empty)."""
-        rows, width = self.q_index.shape
-        valid = (self.token_row[self.q_index] == torch.arange(rows, device=self.q_index.device).view(-1, 1)) & (
-            self.token_qpos[self.q_index] == torch.arange(width, device=self.q_index.device).view(1, -1))
-        return self.q_index, valid
+        if self._groups is None:  # once per forward, shared by the layers
+            rows, width = self.q_index.shape
+            device = self.q_index.device
+            valid = (self.token_row[self.q_index] == torch.arange(rows, device=device).view(-1, 1)) & (
+                self.token_qpos[self.q_index] == torch.arange(width, device=device).view(1, -1))
+            self._groups = (self.q_index, valid)
+        return self._groups
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
         """key / value (1, nkv, T, hd) fresh for the packed queries."""

@@ -158,7 +158,7 @@ def serve_benchmark(model, tokenizer, args, report):
     from hf_dlm.serving.engine import ContinuousBatchingEngine
 
     engine = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=4096,
-                                      compile=compile_value(args))
+                                      compile=compile_value(args), max_length=canvas_length(args))
     settings = ServerSettings(model_name=f"{args.shape}-shape", max_prompt_tokens=4096, max_output_tokens=4096)
     server = ThreadedServer(create_app(engine, tokenizer, settings, log=print))
     rng, vocab = random.Random(0), model.config.vocab_size
@@ -166,7 +166,7 @@ def serve_benchmark(model, tokenizer, args, report):
         asyncio.run(run_level(server.url, 2, argparse.Namespace(**{**vars(args), "requests_per_client": 1}), vocab,
                               rng))  # warm-up: kernels, allocator
         alone = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=4096,
-                                         compile=compile_value(args))
+                                         compile=compile_value(args), max_length=canvas_length(args))
         for clients in [int(c) for c in args.clients.split(",")]:
             for stream in (True, False):
                 timings, wall, before, after = asyncio.run(run_level(server.url, clients, args, vocab, rng, stream))
@@ -264,6 +264,11 @@ class ThreadedServer:
         self.thread.join(timeout)
 
 
+def canvas_length(args) -> int:
+    """The engines' max_length: their slot storage, preallocated when the step is captured, holds these canvases."""
+    return args.prompt_tokens + args.new_tokens
+
+
 def compile_value(args):
     value = str(args.compile).lower()
     return {"true": True, "none": None, "false": None}.get(value, args.compile)
@@ -286,7 +291,7 @@ def core_benchmark(model, args, report):
     batches = [int(b) for b in args.batches.split(",")]
     compile_choice = compile_value(args)
     engine = ContinuousBatchingEngine(model, max_batch_size=max(batches + [args.arrivals]), max_waiting=4096,
-                                      compile=compile_choice)
+                                      compile=compile_choice, max_length=canvas_length(args))
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab - 3, (max(batches + [args.arrivals]), args.prompt_tokens), generator=generator)
     for label, rule in (("one token per step", dict(steps=args.new_tokens)),

@@ -7,7 +7,7 @@ import torch
 from hf_dlm.generation import compiled_step as generation_compile
 from hf_dlm.generation.configuration import DLMGenerationConfig
 
-from tests.utils import tiny_model
+from tests.utils import emulate_step_graphs, tiny_model
 from tests.utils import left_padded
 
 GEN = dict(max_new_tokens=16, block_length=8, steps=16, temperature=0.0)
@@ -89,39 +89,10 @@ def test_compile_option_is_validated_and_saved(tmp_path):
     assert generation_compile.resolve_compile(False, torch.device("cpu")) is None
 
 
-class _EmulatedGraph:
-    """Stands in for `CapturedStep` on CPU with a CUDA graph's semantics: the tensors are copied into buffers
-    made at capture time, and the `fixed` arguments are the ones seen at capture (a graph holds their
-    addresses: a cache re-allocated later would never be read)."""
-
-    captures: list = []
-
-    def __init__(self, forward, tensors, fixed):
-        self.forward, self.fixed = forward, fixed
-        self.inputs = {name: None if t is None else t.clone() for name, t in tensors.items()}
-        self.replays = 0
-        _EmulatedGraph.captures.append(self)
-
-    def __call__(self, tensors):
-        for name, t in tensors.items():
-            if t is not None:
-                self.inputs[name].copy_(t)
-        self.replays += 1
-        return self.forward(**self.inputs, **self.fixed)
-
-
 @pytest.fixture
 def emulated_graphs(monkeypatch):
-    """enable(): from then on every sampler's StepGraphs is enabled on CPU, capturing `_EmulatedGraph`s."""
-    _EmulatedGraph.captures = []
-
-    def enable():
-        monkeypatch.setattr(generation_compile, "CapturedStep", _EmulatedGraph)
-        init = generation_compile.StepGraphs.__init__
-        monkeypatch.setattr(generation_compile.StepGraphs, "__init__", lambda self, model, enabled: init(self, model, True))
-        return _EmulatedGraph.captures
-
-    return enable
+    """enable(): from then on every sampler's StepGraphs is enabled on CPU, capturing `EmulatedGraph`s."""
+    return lambda: emulate_step_graphs(monkeypatch)
 
 
 @pytest.mark.parametrize("compile_choice", [None, "eager"])

@@ -95,7 +95,12 @@ def test_engine_classifier_free_guidance_decodes_as_generate_with_and_without_a_
     # guidance matters here: without it every guided row with a cache decodes differently
     assert all(request.generated != reference(model, ids, seed, **{**options, "cfg_scale": 0.0})
                for ids, seed, options, request in rows if options["cfg_scale"] and options["cache"] != "none")
-    assert engine.stats["max_forward_rows"] == 6 + 5  # a guided row counts twice
+    # a guided row takes two of the 8 lanes (its copy counts): 5 guided + 1 plain rows never all run at once
+    assert engine.stats["max_forward_rows"] == 8
+    assert engine.storage.lanes == 8  # the storage never grew past max_batch_size lanes
+    with pytest.raises(ValueError, match="cfg_scale"):  # a guided row needs two lanes
+        ContinuousBatchingEngine(model, max_batch_size=1).submit([GenerationRequest([1, 2], engine.sampling_params(
+            max_new_tokens=4, cfg_scale=1.0))])
 
 
 @pytest.mark.parametrize("attn, alignment", [("sdpa", "same"), ("eager", "shift")])

@@ -96,6 +96,43 @@ def tiny_family(name: str, seed: int = 0):
     return model.eval()
 
 
+class EmulatedGraph:
+    """Stands in for `CapturedStep` on CPU with a CUDA graph's semantics: the tensors are copied into buffers
+    made at capture time, and the `fixed` arguments are the ones seen at capture (a graph holds their
+    addresses: a cache re-allocated later would never be read)."""
+
+    captures: list = []
+
+    def __init__(self, forward, tensors, fixed):
+        self.forward, self.fixed = forward, fixed
+        self.inputs = {name: None if t is None else t.clone() for name, t in tensors.items()}
+        self.replays = 0
+        EmulatedGraph.captures.append(self)
+
+    @property
+    def shapes(self) -> tuple:
+        return tuple((name, None if t is None else tuple(t.shape)) for name, t in self.inputs.items())
+
+    def __call__(self, tensors):
+        for name, t in tensors.items():
+            if t is not None:
+                self.inputs[name].copy_(t)
+        self.replays += 1
+        return self.forward(**self.inputs, **self.fixed)
+
+
+def emulate_step_graphs(monkeypatch) -> list:
+    """From now on every `StepGraphs` (the samplers' and the engine's CUDA graphs) is enabled on CPU and captures
+    `EmulatedGraph`s; -> the list of captures, in order."""
+    from hf_dlm.generation import compiled_step
+
+    EmulatedGraph.captures = []
+    monkeypatch.setattr(compiled_step, "CapturedStep", EmulatedGraph)
+    init = compiled_step.StepGraphs.__init__
+    monkeypatch.setattr(compiled_step.StepGraphs, "__init__", lambda self, model, enabled: init(self, model, True))
+    return EmulatedGraph.captures
+
+
 def set_attn(model, implementation: str):
     model.config._attn_implementation = implementation
     return model

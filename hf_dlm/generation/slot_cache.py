@@ -32,7 +32,8 @@ def _grow(tensor: torch.Tensor | None, lanes: int, length: int, fill=0) -> torch
 
 class SlotStorage:
     """Canvases (lanes, capacity + 1) and per-layer keys / values (lanes, capacity + 1, nkv, hd), allocated once
-    and grown (rounded up) only when a longer canvas or more lanes are needed."""
+    and grown (rounded up) only when a longer canvas or more lanes are needed (the engine reserves its whole
+    size up front when its steps are captured as CUDA graphs, which hold the storage's addresses)."""
 
     def __init__(self, device: torch.device, fill_token: int, round_to: int = 64):
         self.device, self.fill_token, self.round_to = device, fill_token, round_to
@@ -117,7 +118,10 @@ class RaggedStep:
         for name, t in parts.items():
             tensors[name] = flat[at : at + t.numel()].view(t.shape)
             at += t.numel()
-        key_slot = torch.arange(storage.capacity + 1, device=storage.device).view(1, 1, -1)
+        # keys: the slots up to the longest row's key length (bucketed), not the whole storage: a storage
+        # preallocated for the model's positions costs no attention beyond what the rows hold
+        key_count = min(bucket(max(key_lengths)) if buckets else max(key_lengths), storage.capacity + 1)
+        key_slot = torch.arange(key_count, device=storage.device).view(1, 1, -1)
         allowed = key_slot < tensors.pop("key_lengths").view(-1, 1, 1)  # (rows, 1, K): the trash slot never
         query_position = (tensors.pop("starts").unsqueeze(1) + torch.arange(width, device=storage.device)).unsqueeze(-1)
         if mode == "causal":
@@ -142,16 +146,20 @@ class RaggedKV:
         self.keys, self.values = keys, values
         self.token_lane, self.token_slot, self.token_row, self.token_qpos = token_lane, token_slot, token_row, token_qpos
         self.q_index, self.mask, self.lanes = q_index, mask, lanes
+        self._groups = None
 
     @property
     def token_groups(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_index (rows, Q), valid (rows, Q)): which packed tokens form each row, for the layers that mix tokens
         besides attention (expert-choice MoE routes within each row, as if it were decoded alone). A padding
         column points at token 0, a real token only when it is row 0's first (rows are never empty)."""
-        rows, width = self.q_index.shape
-        valid = (self.token_row[self.q_index] == torch.arange(rows, device=self.q_index.device).view(-1, 1)) & (
-            self.token_qpos[self.q_index] == torch.arange(width, device=self.q_index.device).view(1, -1))
-        return self.q_index, valid
+        if self._groups is None:  # once per forward, shared by the layers
+            rows, width = self.q_index.shape
+            device = self.q_index.device
+            valid = (self.token_row[self.q_index] == torch.arange(rows, device=device).view(-1, 1)) & (
+                self.token_qpos[self.q_index] == torch.arange(width, device=device).view(1, -1))
+            self._groups = (self.q_index, valid)
+        return self._groups
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
         """key / value (1, nkv, T, hd) fresh for the packed queries."""
@@ -162,9 +170,9 @@ class RaggedKV:
 
     def attention(self, module, query: torch.Tensor, key=None, value=None) -> torch.Tensor:
         """query (1, nh, T, hd) -> attention output (1, T, nh, hd): per row against its lane's keys / values."""
-        layer = module.layer_idx
-        keys = self.keys[layer].index_select(0, self.lanes).transpose(1, 2)  # (b, nkv, K, hd)
-        values = self.values[layer].index_select(0, self.lanes).transpose(1, 2)
+        layer, width = module.layer_idx, self.mask.shape[-1]  # the step's K slots (`RaggedStep`)
+        keys = self.keys[layer][:, :width].index_select(0, self.lanes).transpose(1, 2)  # (b, nkv, K, hd)
+        values = self.values[layer][:, :width].index_select(0, self.lanes).transpose(1, 2)
         queries = query[0].transpose(0, 1)[self.q_index].transpose(1, 2)  # (b, nh, Q, hd)
         if keys.shape[1] != queries.shape[1]:  # grouped-query attention
             repeat = queries.shape[1] // keys.shape[1]

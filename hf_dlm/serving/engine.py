@@ -175,9 +175,16 @@ class ContinuousBatchingEngine:
     `start()` to run the loop on a background thread (the server), `cancel(request)` when its client is
     gone, `shutdown()` to drain and stop."""
 
-    def __init__(self, model, max_batch_size: int = 32, max_waiting: int = 256, eos_token_id=None, compile=None):
-        """compile: as `DLMGenerationConfig.compile` (True, a torch.compile mode or backend): the step's forward
-        through torch.compile with dynamic sizes, on CUDA replayed as one CUDA graph per bucketed shape."""
+    def __init__(self, model, max_batch_size: int = 32, max_waiting: int = 256, eos_token_id=None, compile=None,
+                 max_length: int | None = None, preallocate: bool | None = None):
+        """max_batch_size: the most sequences in one forward (a guided row's unconditional copy is one more: it
+        takes a lane of its own). compile: as `DLMGenerationConfig.compile` (True, a torch.compile mode or
+        backend): the step's forward through torch.compile with dynamic sizes, on CUDA replayed as one CUDA graph
+        per bucketed shape. max_length: the longest canvas (prompt + max_new_tokens) taken (default: the model's
+        max_position_embeddings). preallocate: allocate the slot storage for max_batch_size lanes of max_length
+        slots up front (default: when the step is captured as CUDA graphs), so that it never grows and each
+        bucketed shape is captured once in a run; the keys / values then take layers x 2 x max_batch_size x
+        max_length x kv heads x head size elements (lower max_length to bound them)."""
         self.model = model
         self.device = next(model.parameters()).device
         self.mask_id = model.config.mask_token_id
@@ -191,6 +198,10 @@ class ContinuousBatchingEngine:
         self.attention_mode = getattr(model.config, "attention_mode", "bidirectional")
         self.block_size = getattr(model.config, "block_size", None) if self.attention_mode == "block" else None
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        if max_length is not None and (max_length < 1 or (self.max_positions or max_length) < max_length):
+            raise FieldError("max_length", f"max_length must be in [1, max_position_embeddings "
+                             f"({self.max_positions})], got {max_length}", max_length)
+        self.max_length = max_length or self.max_positions
         self.max_batch_size, self.max_waiting = max_batch_size, max_waiting
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[_Row] = []
@@ -203,6 +214,12 @@ class ContinuousBatchingEngine:
         self.compiled = None if self.compile_choice is None else torch.compile(
             ragged_forward, dynamic=True, **COMPILE_CHOICES[self.compile_choice])
         self.graphs, self.graphs_storage = None, None
+        self.captures = self.compile_choice not in (None, "eager") and self.device.type == "cuda"  # StepGraphs
+        if preallocate if preallocate is not None else self.captures:
+            if self.max_length is None:
+                raise FieldError("max_length", "preallocating the slot storage needs max_length (the model config "
+                                 "names no max_position_embeddings)", None)
+            self.storage.reserve(max_batch_size, self.max_length)  # keys / values: at the first forward
         # counters read by /metrics
         self.stats = {"forward_passes": 0, "forward_rows": 0, "forward_tokens": 0, "max_forward_rows": 0,
                       "engine_steps": 0, "requests_admitted": 0, "requests_finished": 0, "requests_failed": 0,
@@ -225,11 +242,16 @@ class ContinuousBatchingEngine:
                 length += -length % params.block_length
             if not request.prompt_ids:
                 raise FieldError("prompt", "the prompt is empty", request.prompt_ids)
-            if self.max_positions is not None and length > self.max_positions:
+            if self.max_length is not None and length > self.max_length:
+                limit = ("the model's max_position_embeddings" if self.max_length == self.max_positions
+                         else "the engine's max_length")
                 to_block_end = " to the end of its last block" if params.align_blocks else ""
                 raise FieldError("max_new_tokens", f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
-                                 f"({params.max_new_tokens}){to_block_end} exceeds the model's max_position_embeddings "
-                                 f"({self.max_positions})", params.max_new_tokens)
+                                 f"({params.max_new_tokens}){to_block_end} exceeds {limit} ({self.max_length})",
+                                 params.max_new_tokens)
+            if params.cfg_scale and self.max_batch_size < 2:
+                raise FieldError("cfg_scale", "cfg_scale: a guided row and its unconditional copy take two lanes; "
+                                 f"this engine runs at most max_batch_size={self.max_batch_size}", params.cfg_scale)
         with self.lock:
             if self.stopping:
                 raise EngineStoppedError("the server is shutting down")
@@ -264,7 +286,8 @@ class ContinuousBatchingEngine:
 
     def _admit(self):
         with self.lock:
-            while self.waiting and len(self.running) < self.max_batch_size:
+            lanes = sum(len(row.lanes) for row in self.running)
+            while self.waiting and lanes + (2 if self.waiting[0].params.cfg_scale else 1) <= self.max_batch_size:
                 request = self.waiting.popleft()
                 self.stats["requests_admitted"] += 1
                 if request.cancelled:
@@ -280,6 +303,7 @@ class ContinuousBatchingEngine:
                 self.running.append(row)
                 if request.params.cfg_scale:
                     row.uncond_lane = self._take_lane()
+                lanes += len(row.lanes)
                 length = row.schedule.length
                 self.storage.reserve(max(row.lanes) + 1, length)
                 canvas = request.prompt_ids + [self.mask_id] * (length - row.prompt_len)
@@ -356,10 +380,10 @@ class ContinuousBatchingEngine:
     def _compiled_forward(self, tensors: dict) -> torch.Tensor:
         """The compiled step (one Inductor graph with dynamic sizes) and, on CUDA, a CUDA graph per bucketed shape
         (`StepGraphs`, the sampler's graphs), captured against the current storage: a storage that grew (longer
-        canvas, more lanes) starts new graphs."""
+        canvas, more lanes; never when preallocated, the default on CUDA) starts new graphs."""
         storage = (self.storage.canvas.data_ptr(), tuple(self.storage.keys[0].shape))
         if self.graphs is None or self.graphs_storage != storage:
-            self.graphs = StepGraphs(self.model, enabled=self.device.type == "cuda" and self.compile_choice != "eager")
+            self.graphs = StepGraphs(self.model, enabled=self.captures)
             self.graphs_storage = storage
         keys, values = self._layers(self.storage.keys), self._layers(self.storage.values)
         with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_GRAPHS):

@@ -1,0 +1,67 @@
+"""The engine's captured steps over a long run: with the slot storage preallocated (max_batch_size lanes x the
+model's positions, the default when the step is captured as CUDA graphs) it never grows, so each bucketed shape
+is captured once, and the replays read the live storage (tokens equal generate alone). Graphs are emulated on CPU
+(`EmulatedGraph`: inputs copied into capture-time buffers, the storage seen at capture read in place)."""
+
+import pytest
+import torch
+
+from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
+
+from tests.utils import EmulatedGraph, emulate_step_graphs, tiny_model
+
+
+def long_run(model, preallocate: bool):
+    """One row alone to its end, rows of growing canvases (up to the model's 96 positions) arriving one per two
+    steps, with and without the dual cache, then the first row's twin alone (the first shapes again)
+    -> (engine, the cases (prompt, options, request), graphs captured before the twin)."""
+    engine = ContinuousBatchingEngine(model, max_batch_size=3, compile="eager", preallocate=preallocate)
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(4, 8, "none"), (6, 16, "dual"), (5, 24, "none"), (9, 32, "dual"), (3, 48, "none"), (7, 80, "dual"),
+              (4, 16, "dual"), (6, 8, "none")]
+    cases = []
+    for length, new, cache in shapes:
+        ids = torch.randint(0, 90, (length,), generator=generator).tolist()
+        options = dict(max_new_tokens=new, block_length=8, steps=new, cache=cache, stop_on_eos=False)
+        cases.append((ids, options, GenerationRequest(ids, engine.sampling_params(**options))))
+    first_ids, first_options, first = cases[0]
+    engine.submit([first])
+    engine.run_until_idle()
+    for _, _, request in cases[1:]:
+        engine.submit([request])
+        engine.step()
+        engine.step()
+    engine.run_until_idle()
+    twin, captured = GenerationRequest(first_ids, engine.sampling_params(**first_options)), len(EmulatedGraph.captures)
+    engine.submit([twin])
+    engine.run_until_idle()
+    return engine, cases + [(first_ids, first_options, twin)], captured
+
+
+@pytest.mark.parametrize("preallocate", [True, False])
+def test_preallocated_storage_captures_each_shape_once_in_a_long_run(monkeypatch, preallocate):
+    model = tiny_model("sdpa", eos_token_id=5, max_position_embeddings=96)
+    captures = emulate_step_graphs(monkeypatch)
+    engine, cases, before_twin = long_run(model, preallocate)
+    shapes, replays = [graph.shapes for graph in captures], sum(graph.replays for graph in captures)
+    for ids, options, request in cases:  # replays read the storage the rows live in
+        out = model.generate(torch.tensor([ids]), **options)
+        assert request.generated == out[0, len(ids):].tolist(), options
+    assert replays > 2 * len(shapes)
+    if preallocate:
+        assert len(set(shapes)) == len(shapes)  # every shape captured once
+        assert len(shapes) == before_twin  # the twin replays the first row's graphs
+        assert (engine.storage.lanes, engine.storage.capacity) == (3, 128)  # 96 rounded up to 64s, never grown
+    else:  # the storage grew (more lanes, longer canvases): shapes seen before were captured again
+        assert len(set(shapes)) < len(shapes)
+
+
+def test_preallocation_needs_a_length_and_refuses_longer_requests():
+    model = tiny_model("sdpa", max_position_embeddings=96)
+    engine = ContinuousBatchingEngine(model, max_batch_size=2, max_length=40, preallocate=True)
+    assert (engine.storage.lanes, engine.storage.capacity) == (2, 64)
+    with pytest.raises(ValueError, match="max_length"):
+        engine.submit([GenerationRequest([1] * 10, engine.sampling_params(max_new_tokens=32, block_length=8))])
+    with pytest.raises(ValueError, match="max_length"):
+        ContinuousBatchingEngine(model, max_length=200)
+    assert ContinuousBatchingEngine(model).storage.lanes == 0  # on CPU, eager: the storage grows as rows need

@@ -286,3 +286,33 @@ def test_fast_dllm_v2_equals_batch_sample(prompt_length, threshold):
                                       sub_block_length=None)
     assert torch.equal(cached, expected) and torch.equal(uncached, expected)
     assert not torch.equal(whole_blocks, expected)  # the sub-blocks matter here
+
+
+def test_published_generation_config_keeps_ids_and_takes_the_family_sampler(tmp_path, caplog):
+    """A checkpoint's own generation_config.json (Fast-dLLM v2 ships its Qwen parent's: repetition_penalty,
+    temperature, top_k) keeps its token ids; the family's sampler defaults replace what they name and the options
+    the diffusion sampler cannot honour are reset, named in a warning. A file hf-dlm wrote is used as saved."""
+    import json
+    import logging
+
+    from transformers import AutoModelForMaskedLM
+
+    model = tiny("Fast_dLLM_Qwen")
+    model.save_pretrained(tmp_path / "published")
+    (tmp_path / "published" / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": 1, "do_sample": True, "repetition_penalty": 1.05,
+        "temperature": 0.7, "top_k": 20, "top_p": 0.8}))
+    with caplog.at_level(logging.WARNING):
+        loaded = AutoModelForMaskedLM.from_pretrained(tmp_path / "published")
+    config = loaded.generation_config
+    assert (config.eos_token_id, config.pad_token_id, config.repetition_penalty) == ([2, 3], 1, 1.0)
+    assert (config.do_sample, config.threshold, config.sub_block_length, config.align_blocks) == (False, 0.95, 8, True)
+    assert "repetition_penalty" in caplog.text
+    ids = prompt(5)
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(ids, max_new_tokens=27), model.generate(ids, max_new_tokens=27))
+
+    loaded.generation_config.threshold, loaded.generation_config.align_blocks = 0.5, False
+    loaded.save_pretrained(tmp_path / "saved")
+    again = AutoModelForMaskedLM.from_pretrained(tmp_path / "saved").generation_config
+    assert (again.threshold, again.align_blocks, again.sub_block_length, again.eos_token_id) == (0.5, False, 8, [2, 3])

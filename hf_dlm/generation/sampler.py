@@ -90,12 +90,18 @@ class DLMGenerationMixin:
         if pretrained_model_name_or_path is None:
             return
         try:
-            self.generation_config = GenerationConfig.from_pretrained(
+            loaded = GenerationConfig.from_pretrained(
                 pretrained_model_name_or_path, cache_dir=cache_dir, force_download=force_download, proxies=proxies,
                 local_files_only=local_files_only, token=token, revision=revision, subfolder=subfolder,
                 _from_auto=from_auto_class, _from_pipeline=from_pipeline)
         except OSError:
-            pass  # no generation_config.json: keep the one built from the model config
+            return  # no generation_config.json: keep the one built from the model config
+        self.generation_config = self.loaded_generation_config(loaded)
+
+    def loaded_generation_config(self, loaded: GenerationConfig) -> GenerationConfig:
+        """Hook for models whose checkpoints may carry a generation_config.json written for another sampler (the
+        published families, `FamilyModelMixin`): the file as loaded -> the config to use. Default: the file."""
+        return loaded
 
     @torch.no_grad()
     def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,

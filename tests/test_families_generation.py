@@ -316,3 +316,21 @@ def test_published_generation_config_keeps_ids_and_takes_the_family_sampler(tmp_
     loaded.save_pretrained(tmp_path / "saved")
     again = AutoModelForMaskedLM.from_pretrained(tmp_path / "saved").generation_config
     assert (again.threshold, again.align_blocks, again.sub_block_length, again.eos_token_id) == (0.5, False, 8, [2, 3])
+
+
+def test_aligned_block_bounds_and_refused_combinations():
+    from hf_dlm.generation.sampling import block_bounds
+    from hf_dlm.utils.errors import FieldError
+
+    # prompt of 6 (slots 0..5), 10 new tokens, blocks of 4: the rest of block [4, 8), then [8, 12), [12, 16)
+    assert block_bounds(6, 10, 4, 0) == ([(6, 8, 2), (8, 12, 0), (12, 16, 0)], 16)
+    # one slot of left padding: position 0 at slot 1, boundaries at slots 1, 5, 9, ...; canvas to slot 17
+    assert block_bounds(6, 10, 4, 1) == ([(6, 9, 1), (9, 13, 0), (13, 17, 0)], 17)
+    assert block_bounds(6, 8, 4) == ([(6, 10, 0), (10, 14, 0)], 14)  # unaligned: from the prompt end
+    model = tiny("llada")
+    for name, value in (("sub_block_length", 8), ("first_token_alone", True)):
+        with pytest.raises(FieldError, match=name) as error:  # LLaDA's budget counts the whole block
+            model.generate(prompt(4), max_new_tokens=8, block_length=8, **{name: value})
+        assert error.value.field == name
+    with pytest.raises(FieldError, match="schedule"):
+        model.generate(prompt(4), max_new_tokens=8, schedule="cosine")

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import hf_dlm  # noqa: F401
 from hf_dlm.modeling.families import (
     DreamConfig, DreamModel, FastDLLMQwenConfig, Fast_dLLM_QwenForCausalLM, LLaDA2MoeConfig, LLaDA2MoeModelLM,
-    LLaDAConfig, LLaDAModelLM, SDARConfig, SDARForCausalLM, SDARMoeConfig, SDARMoeForCausalLM,
+    LLaDAConfig, LLaDAModelLM, LLaDAMoEConfig, LLaDAMoEModelLM, SDARConfig, SDARForCausalLM, SDARMoeConfig,
+    SDARMoeForCausalLM,
 )
 
 V, MASK = 128, 126
@@ -24,6 +25,11 @@ QWEN = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layer
 MODELS = {
     "llada": lambda: LLaDAModelLM(LLaDAConfig(d_model=32, n_heads=4, n_kv_heads=4, n_layers=2, mlp_hidden_size=64,
                                               vocab_size=V, max_sequence_length=128, mask_token_id=MASK)),
+    "lladamoe": lambda: LLaDAMoEModelLM(LLaDAMoEConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+        num_experts=4, num_experts_per_tok=2, mask_token_id=MASK, dense_intermediate_size=64,
+        expert_intermediate_size=16, shared_expert_intermediate_size=16, moe_layer_freq=[0, 1], qk_layernorm=True,
+        partial_rotary_factor=0.5)),
     "Dream": lambda: DreamModel(DreamConfig(**QWEN)),
     "Fast_dLLM_Qwen": lambda: Fast_dLLM_QwenForCausalLM(FastDLLMQwenConfig(**QWEN)),
     "sdar": lambda: SDARForCausalLM(SDARConfig(**QWEN, head_dim=16)),
@@ -44,6 +50,8 @@ def tiny(name, seed=0):
         for param_name, param in model.named_parameters():
             if "norm" not in param_name:
                 param.normal_(0, 0.3)
+        if not model.config.tie_word_embeddings:  # the sources let [MASK] win the argmax (and stay masked); the
+            model.get_output_embeddings().weight[MASK] = 0  # core never proposes it: keep it out of reach
     return model.eval()
 
 
@@ -189,10 +197,15 @@ def test_published_sampler_defaults():
             fast.cache) == (32, 8, 0.95, True, True, "prefix")
 
 
-def test_llada_semi_autoregressive_blocks_equal_llada_generate():
-    model = tiny("llada")
+@pytest.mark.parametrize("name", ["llada", "lladamoe"])
+def test_llada_semi_autoregressive_blocks_equal_llada_generate(name):
+    """LLaDA's published defaults (blocks of 32, one token a step, low confidence, greedy), which LLaDA-MoE ships
+    too, and 2 tokens a step in blocks of 8."""
+    model = tiny(name)
     ids = prompt(6)
     with torch.no_grad():
+        defaults = model.generate(ids, max_new_tokens=64, steps=64)  # the 128 / 128 defaults at half the length
+        assert torch.equal(defaults, llada_generate(model, ids, steps=64, gen_length=64, block_length=32))
         expected = llada_generate(model, ids, steps=8, gen_length=16, block_length=8)
         out = model.generate(ids, max_new_tokens=16, steps=8, block_length=8)  # 2 tokens a step: ties matter less
     assert torch.equal(out, expected)

@@ -124,6 +124,32 @@ def test_dataloader_workers_keep_order_and_collate(corpus):
     assert batch["sample_index"].dtype == torch.long and batch["sample_index"].shape == (4,)
 
 
+def test_hf_row_stream_keys_rows_by_pass_and_resumes_from_the_datasets_state():
+    """HFRowStream: the rows of a streaming dataset unchanged, pass after pass, keyed pass * 2**40 + row; a
+    stream built afresh from a saved state (two shards, mid second pass) reads on from exactly that row, and a
+    new iteration of the same stream goes on where the last one stopped."""
+    datasets = pytest.importorskip("datasets")
+    from hf_dlm.data.hf_stream import EPOCH_STRIDE, HFRowStream
+
+    table = datasets.Dataset.from_dict({"x": list(range(7)), "y": [str(i) for i in range(7)]})
+    source = lambda: table.to_iterable_dataset(num_shards=2).map(lambda r: {"z": r["x"] * 2})  # noqa: E731
+    expected = [(p * EPOCH_STRIDE + row, row) for p in range(3) for row in range(7)]  # (key, x): shards in order
+    rows = list(itertools.islice(HFRowStream(source()), 21))
+    assert [(r["sample_index"], r["x"]) for r in rows] == expected
+    assert all(r["y"] == str(r["x"]) and r["z"] == 2 * r["x"] for r in rows)
+    stream = HFRowStream(source())
+    iterator = iter(stream)
+    for _ in range(10):  # 7 rows of pass 0, 3 of pass 1
+        next(iterator)
+    state = stream.state_dict()
+    assert (state["epoch"], state["row"]) == (1, 3)
+    resumed = HFRowStream(source())
+    resumed.load_state_dict(state)
+    assert [(r["sample_index"], r["x"]) for r in itertools.islice(resumed, 11)] == expected[10:]
+    again = next(iter(stream))  # the same stream iterated anew
+    assert (again["sample_index"], again["x"]) == expected[10]
+
+
 def test_hf_stream_packs_streaming_datasets_and_resumes(tmp_path):
     datasets = pytest.importorskip("datasets")
     from hf_dlm.data.hf_stream import HFPackedStream

@@ -13,46 +13,16 @@ import torch
 import torch.nn.functional as F
 
 import hf_dlm  # noqa: F401
-from hf_dlm.modeling.families import (
-    DreamConfig, DreamModel, FastDLLMQwenConfig, Fast_dLLM_QwenForCausalLM, LLaDA2MoeConfig, LLaDA2MoeModelLM,
-    LLaDAConfig, LLaDAModelLM, LLaDAMoEConfig, LLaDAMoEModelLM, SDARConfig, SDARForCausalLM, SDARMoeConfig,
-    SDARMoeForCausalLM,
-)
-
-V, MASK = 128, 126
-QWEN = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128, mask_token_id=MASK)
-MODELS = {
-    "llada": lambda: LLaDAModelLM(LLaDAConfig(d_model=32, n_heads=4, n_kv_heads=4, n_layers=2, mlp_hidden_size=64,
-                                              vocab_size=V, max_sequence_length=128, mask_token_id=MASK)),
-    "lladamoe": lambda: LLaDAMoEModelLM(LLaDAMoEConfig(
-        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
-        num_experts=4, num_experts_per_tok=2, mask_token_id=MASK, dense_intermediate_size=64,
-        expert_intermediate_size=16, shared_expert_intermediate_size=16, moe_layer_freq=[0, 1], qk_layernorm=True,
-        partial_rotary_factor=0.5)),
-    "Dream": lambda: DreamModel(DreamConfig(**QWEN)),
-    "Fast_dLLM_Qwen": lambda: Fast_dLLM_QwenForCausalLM(FastDLLMQwenConfig(**QWEN)),
-    "sdar": lambda: SDARForCausalLM(SDARConfig(**QWEN, head_dim=16)),
-    "sdar_moe": lambda: SDARMoeForCausalLM(SDARMoeConfig(**QWEN, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                                         moe_intermediate_size=16, norm_topk_prob=True)),
-    "llada2_moe": lambda: LLaDA2MoeModelLM(LLaDA2MoeConfig(**QWEN, head_dim=8, moe_intermediate_size=16, num_experts=8,
-                                                           num_experts_per_tok=3, n_group=4, topk_group=2,
-                                                           num_shared_experts=1, first_k_dense_replace=1,
-                                                           partial_rotary_factor=0.5, use_bias=False)),
-}
+from tests.utils import FAMILY_MASK as MASK
+from tests.utils import tiny_family
 
 
 def tiny(name, seed=0):
-    torch.manual_seed(seed)
-    model = MODELS[name]()
-    model.config._attn_implementation = "eager"
-    with torch.no_grad():  # sharper logits than the 0.02 init, so confidences spread over (0, 1)
-        for param_name, param in model.named_parameters():
-            if "norm" not in param_name:
-                param.normal_(0, 0.3)
-        if not model.config.tie_word_embeddings:  # the sources let [MASK] win the argmax (and stay masked); the
-            model.get_output_embeddings().weight[MASK] = 0  # core never proposes it: keep it out of reach
-    return model.eval()
+    model = tiny_family(name, seed)
+    if not model.config.tie_word_embeddings:  # the sources let [MASK] win the argmax (and stay masked); the core
+        with torch.no_grad():  # never proposes it: keep it out of reach
+            model.get_output_embeddings().weight[MASK] = 0
+    return model
 
 
 def prompt(length, seed=0):

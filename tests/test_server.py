@@ -123,6 +123,28 @@ def test_invalid_json_names_no_field(server):
         assert status == 422 and reply["error"]["param"] is None, (body, reply)
 
 
+def test_chunked_bodies_are_counted_as_they_stream_in(server):
+    """A chunked body declares no Content-Length: the server counts its bytes and answers 413 once they pass the
+    limit; a chunked body within the limit is served as any other."""
+    limit = server.app_server.settings.max_body_bytes
+
+    def chunked(total):  # a generator body: httpx sends it with Transfer-Encoding: chunked
+        yield b'{"prompt": "'
+        for _ in range(total // 2**16):
+            yield b"x" * 2**16
+        yield b'"}'
+
+    url, headers = server.url + "/v1/completions", {"content-type": "application/json"}
+    response = httpx.post(url, content=chunked(limit + 2**16), headers=headers, timeout=60)
+    assert response.request.headers.get("transfer-encoding") == "chunked"
+    assert response.status_code == 413 and "more than" in response.json()["error"]["message"]
+    small = (piece for piece in (b'{"prompt": "the', b' quick", "max_tokens": 4, ', b'"block_length": 4}'))
+    response = httpx.post(url, content=small, headers=headers, timeout=60)
+    assert response.request.headers.get("transfer-encoding") == "chunked"
+    assert response.status_code == 200 and len(response.json()["choices"]) == 1
+    assert 'path="/v1/completions",status="413"' in httpx.get(server.url + "/metrics", timeout=60).text
+
+
 def test_fields_are_validated_before_queueing(server):
     cases = [  # body, status, param
         ({"prompt": "x", "seed": 2**64}, 422, "seed"),  # used to hang the server (torch.Generator refuses it)

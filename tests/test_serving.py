@@ -64,29 +64,38 @@ def test_engine_rows_decode_as_generate_alone_while_sharing_forwards():
         engine.sampling_params(max_new_tokens=8, block_length=4, steps=3)
 
 
-def test_engine_classifier_free_guidance_decodes_as_generate():
-    # guided rows bring their unconditional copy (prompt masked) into the shared forward; unguided rows beside them
-    model = tiny_model(eos_token_id=5)
+@pytest.mark.parametrize("alignment", ["same", "shift"])
+def test_engine_classifier_free_guidance_decodes_as_generate_with_and_without_a_cache(alignment):
+    # guided rows bring their unconditional copy (prompt masked; with a cache its keys / values in a lane of its
+    # own, refreshed at each block start) into the shared forward, unguided rows beside them; rows arrive over steps
+    model = tiny_model(eos_token_id=5, label_alignment=alignment)
     with torch.no_grad():  # a sharper head: guidance then changes which tokens win
         model.lm_head.weight.mul_(8)
     engine = ContinuousBatchingEngine(model, max_batch_size=8)
+    calls = []
+    forward_window = model.model.forward_window
+    model.model.forward_window = lambda *args, **kwargs: calls.append(1) or forward_window(*args, **kwargs)
     generator = torch.Generator().manual_seed(1)
-    cases = [(3, 8, 4, 8, 0.0, 1.5), (6, 8, 4, 8, 0.8, 0.5), (4, 12, 4, 6, 0.0, 0.0), (8, 8, 8, 8, 1.0, 3.0)]
+    cases = [(3, 8, 4, 8, 0.0, 1.5, "none"), (6, 8, 4, 8, 0.8, 0.5, "dual"), (4, 12, 4, 6, 0.0, 0.0, "dual"),
+             (8, 8, 8, 8, 1.0, 3.0, "prefix"), (5, 12, 4, 12, 0.0, 2.0, "dual"), (7, 16, 8, 8, 0.0, 1.0, "prefix")]
     rows = []
-    for seed, (length, new, block, steps, temperature, cfg) in enumerate(cases):
+    for seed, (length, new, block, steps, temperature, cfg, cache) in enumerate(cases):
         ids = torch.randint(0, 90, (length,), generator=generator).tolist()
         options = dict(max_new_tokens=new, block_length=block, steps=steps, temperature=temperature, cfg_scale=cfg,
-                       stop_on_eos=False)
+                       cache=cache, stop_on_eos=False)
         rows.append((ids, seed, options, GenerationRequest(ids, engine.sampling_params(seed=seed, **options))))
-    engine.submit([r[-1] for r in rows])
-    engine.run_until_idle()
+    pending = [r[-1] for r in rows]
+    while pending or engine.has_work():  # two requests join before each step
+        engine.submit(pending[:2])
+        pending, before = pending[2:], len(calls)
+        engine.step()
+        assert len(calls) - before == 1  # guided, unguided, refreshing and window rows: ONE forward
     for ids, seed, options, request in rows:
         assert request.generated == reference(model, ids, seed, **options), options
-    # guidance matters here: without it some guided row decodes differently
-    assert any(request.generated != reference(model, ids, seed, **{**options, "cfg_scale": 0.0})
-               for ids, seed, options, request in rows if options["cfg_scale"])
-    with pytest.raises(ValueError, match="cfg_scale"):
-        engine.sampling_params(max_new_tokens=8, cfg_scale=1.0, cache="dual")
+    # guidance matters here: without it every guided row with a cache decodes differently
+    assert all(request.generated != reference(model, ids, seed, **{**options, "cfg_scale": 0.0})
+               for ids, seed, options, request in rows if options["cfg_scale"] and options["cache"] != "none")
+    assert engine.stats["max_forward_rows"] == 6 + 5  # a guided row counts twice
 
 
 @pytest.mark.parametrize("attn, alignment", [("sdpa", "same"), ("eager", "shift")])
@@ -200,7 +209,6 @@ def test_errors_name_the_field_and_limits_apply(server):
              ({"prompt": "word " * 60}, 400, "prompt"),
              ({"prompt": "x", "cache": "full"}, 422, "cache"),
              ({"prompt": "x", "max_tokens": 8, "block_length": 4, "cfg_scale": -1.0}, 422, "cfg_scale"),
-             ({"prompt": "x", "max_tokens": 8, "block_length": 4, "cfg_scale": 1.0, "cache": "dual"}, 400, "cfg_scale"),
              ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
              ({"prompt": ""}, 400, "prompt"),
              ({}, 422, "prompt")]

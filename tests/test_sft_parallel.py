@@ -1,8 +1,10 @@
 """DLMSFTTrainer under `torchrun` with 4 gloo processes, in the layouts DLMTrainer's tests use: FSDP2 x TP,
 FSDP2 x CP and HSDP x CP reproduce the single-process run (logged losses, grad norms, masked fraction and CE
 by t, first-step gradients, parameters); a checkpoint saved under FSDP2 x CP (atomic, through DCP) resumes
-under FSDP2 x TP, from another initialisation, exactly like the uninterrupted run, and in one process too."""
+under FSDP2 x TP, from another initialisation, exactly like the uninterrupted run, and in one process too.
+With pp_size=2 on 2 processes it trains like one process and its final save carries the model card."""
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import torch
 
 pytest.importorskip("trl")
 
+from hf_dlm import DLMForDiffusionLM  # noqa: E402
 from tests.utils import flat_params, free_port, logged, sft_trainer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,3 +78,44 @@ def test_sft_resume_across_layouts_equals_the_uninterrupted_run(torchrun_results
     torch.testing.assert_close(torch.tensor(logged(single, "loss", after_step=2)),
                                torch.tensor(single_process["losses"][2:]), rtol=0, atol=1e-5)
     torch.testing.assert_close(flat_params(single.model), single_process["params"], rtol=0, atol=5e-5)
+
+
+@pytest.fixture(scope="module")
+def pipeline_results(tmp_path_factory):
+    """DLMSFTTrainer with pp_size=2 under torchrun on 2 gloo processes (tests/sft_pipeline_worker.py)."""
+    out = tmp_path_factory.mktemp("sft_pp")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+               os.path.join(ROOT, "tests", "sft_pipeline_worker.py"), str(out)]
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return json.loads((out / "logs.json").read_text()), out / "pp"
+
+
+def test_sft_pp2_trains_like_one_process_and_writes_the_model_card(pipeline_results, tmp_path):
+    """pp_size=2 (a stage per decoder layer, the two ranks' 2 + 2 rows pooled into each micro-batch, every batch
+    padded to max_length) gives one process's logged losses, gradient norms, masked fraction, CE by t and trl's
+    token count for the same 4-row micro-batches, Adam with a constant 1e-2 learning rate; its final weights,
+    saved stage by stage, load as one model equal to the single process's, with the model card of the run."""
+    record, final = pipeline_results
+    assert record["stages"] == [[0]]  # rank 0 holds decoder layer 0 of 2
+    torch.set_num_threads(1)
+    single = sft_trainer(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3)
+    single.train()
+    logs = [log for log in single.state.log_history if "loss" in log]
+    assert [log["step"] for log in record["logs"]] == [log["step"] for log in logs] == [1, 2, 3]
+    assert logs[-1]["learning_rate"] == 0.01 and logs[0]["grad_norm"] > 0.5  # clipping at 0.5 acted
+    for key in ("loss", "grad_norm", "masked_fraction", "num_tokens", "supervised_fraction"):
+        torch.testing.assert_close(torch.tensor([log[key] for log in record["logs"]]),
+                                   torch.tensor([log[key] for log in logs]), rtol=1e-5, atol=1e-5, msg=key)
+    for pp_log, log in zip(record["logs"], logs):
+        ce = sorted(k for k in log if k.startswith("ce_t/"))
+        assert ce and ce == sorted(k for k in pp_log if k.startswith("ce_t/"))
+        torch.testing.assert_close(torch.tensor([pp_log[k] for k in ce]), torch.tensor([log[k] for k in ce]),
+                                   rtol=1e-5, atol=1e-5)
+    loaded = DLMForDiffusionLM.from_pretrained(final)
+    torch.testing.assert_close(flat_params(loaded), flat_params(single.model), rtol=0, atol=1e-5)
+    training = json.loads((final / "hf_dlm_info.json").read_text())["training"]
+    assert {k: training[k] for k in ("trainer", "global_step", "global_batch_size", "world_size", "pp_size")} == \
+        {"trainer": "hf_dlm.DLMSFTTrainer", "global_step": 3, "global_batch_size": 8, "world_size": 2, "pp_size": 2}
+    assert "| pp_size | `2` |" in (final / "README.md").read_text()

@@ -51,6 +51,51 @@ def tiny_model(attn_implementation: str = "eager", seed: int = 0, **overrides) -
     return DLMForDiffusionLM(config).eval()
 
 
+FAMILY_VOCAB, FAMILY_MASK = 128, 126
+_QWEN = dict(vocab_size=FAMILY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, mask_token_id=FAMILY_MASK)
+
+
+def _family_models() -> dict:
+    """Tiny models of every family hf-dlm loads natively (model_type -> constructor); the LLaDA2.1 copy with blocks
+    of 8 (LLaDA2: the published 32)."""
+    from hf_dlm.modeling import families as f
+
+    llada2 = dict(**_QWEN, head_dim=8, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3, n_group=4,
+                  topk_group=2, num_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5, use_bias=False)
+    return {
+        "llada": lambda: f.LLaDAModelLM(f.LLaDAConfig(d_model=32, n_heads=4, n_kv_heads=4, n_layers=2,
+                                                      mlp_hidden_size=64, vocab_size=FAMILY_VOCAB,
+                                                      max_sequence_length=128, mask_token_id=FAMILY_MASK)),
+        "Dream": lambda: f.DreamModel(f.DreamConfig(**_QWEN)),
+        "sdar": lambda: f.SDARForCausalLM(f.SDARConfig(**_QWEN, head_dim=16)),
+        "sdar_moe": lambda: f.SDARMoeForCausalLM(f.SDARMoeConfig(**_QWEN, head_dim=16, num_experts=4,
+                                                                 num_experts_per_tok=2, moe_intermediate_size=16,
+                                                                 norm_topk_prob=True)),
+        "Fast_dLLM_Qwen": lambda: f.Fast_dLLM_QwenForCausalLM(f.FastDLLMQwenConfig(**_QWEN)),
+        "lladamoe": lambda: f.LLaDAMoEModelLM(f.LLaDAMoEConfig(**_QWEN, expert_intermediate_size=16, num_experts=4,
+                                                               num_experts_per_tok=2, shared_expert_intermediate_size=16,
+                                                               qk_layernorm=True)),
+        "llada2_moe": lambda: f.LLaDA2MoeModelLM(f.LLaDA2MoeConfig(**llada2)),
+        "llada21_moe": lambda: f.LLaDA21MoeModelLM(f.LLaDA21MoeConfig(**llada2, block_size=8)),
+    }
+
+
+FAMILY_NAMES = ("llada", "Dream", "sdar", "sdar_moe", "Fast_dLLM_Qwen", "lladamoe", "llada2_moe", "llada21_moe")
+
+
+def tiny_family(name: str, seed: int = 0):
+    """A tiny fp32 model of family `name` (eager attention), weights N(0, 0.3) so that confidences spread over (0, 1)."""
+    torch.manual_seed(seed)
+    model = _family_models()[name]()
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" not in param_name:
+                param.normal_(0, 0.3)
+    return model.eval()
+
+
 def set_attn(model, implementation: str):
     model.config._attn_implementation = implementation
     return model
@@ -415,11 +460,16 @@ def sft_config(output_dir, **overrides):
     return DLMSFTConfig(**options)
 
 
-def sft_trainer(output_dir, rows: int = 16, model_seed: int = 0, tokenizer=None, **overrides):
+def sft_trainer(output_dir, rows: int = 16, model_seed: int = 0, tokenizer=None, streaming: bool = False,
+                **overrides):
+    """streaming: the rows as a `datasets.IterableDataset` (one shard, no shuffle buffer)."""
     tokenizer = tokenizer or digit_tokenizer()
+    train_dataset = sft_rows(rows)
+    if streaming:
+        train_dataset = train_dataset.to_iterable_dataset(num_shards=1)
     return recording_sft_trainer_class()(model=sft_model(tokenizer, model_seed),
                                          args=sft_config(output_dir, **overrides),
-                                         train_dataset=sft_rows(rows), processing_class=tokenizer)
+                                         train_dataset=train_dataset, processing_class=tokenizer)
 
 
 def logged(trainer, key: str, after_step: int = 0) -> list:

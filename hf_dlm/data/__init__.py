@@ -12,7 +12,7 @@ _LAZY = {
     "ShuffledSamples": ".streams", "DistributedSampleStream": ".streams", "packed_position_ids": ".streams",
     "data_parallel_rank_and_world": ".streams",
     "IndexedDataset": ".indexed_dataset", "IndexedDatasetWriter": ".indexed_dataset",
-    "HFPackedStream": ".hf_stream",
+    "HFPackedStream": ".hf_stream", "HFRowStream": ".hf_stream",
     "SFTDataset": ".sft_data", "SFTDataConfig": ".sft_data", "tokenize_conversation": ".sft_data",
     "TokenWindowDataset": ".memory_dataset", "pack_documents": ".memory_dataset",
     "PreprocessConfig": ".preprocess", "PreprocessError": ".preprocess",  # `preprocess` is the module itself

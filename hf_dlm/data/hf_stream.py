@@ -4,6 +4,9 @@ Rows are tokenized on the fly (or read from an `input_ids` column), concatenated
 of `seq_length` with restarting `position_ids`. Window g of epoch e has `sample_index` =
 e * 2**40 + g when the number of windows per epoch is unknown in advance (streaming), so indices stay
 globally unique across epochs without a pass over the data. Ranks take every world_size-th window.
+
+`HFRowStream` streams already prepared rows (trl's SFT rows) unchanged, keyed the same way, and resumes from
+the datasets library's own saved position instead of re-reading the data.
 """
 
 from __future__ import annotations
@@ -104,3 +107,46 @@ class HFPackedStream(IterableDataset):
 
     def load_state_dict(self, state: dict) -> None:
         self.start = self._position = (int(state["epoch"]), int(state["window"]))
+
+
+class HFRowStream(IterableDataset):
+    """The rows of an HF streaming `IterableDataset`, pass after pass without end (a trainer stops it with
+    max_steps), each with `sample_index` = pass * EPOCH_STRIDE + its row number in the pass, so every pass draws
+    new diffusion noise. `state_dict()` is (pass, row, the datasets library's state of the pass) right after the
+    last row yielded; `load_state_dict` re-opens that pass at that row (`IterableDataset.load_state_dict`), so
+    a resumed run reads exactly the rows the interrupted one would have read next, without re-reading what
+    came before. Exact with num_workers <= 1 and without a shuffle buffer (the datasets library does not save
+    the buffer: a resume refills it). The stream sets `dataset`'s epoch and state: give each stream its own."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self._pass, self._row = 0, 0
+        self._start: dict | None = None  # a saved position to resume from
+        self._iterated = False
+
+    def __iter__(self):
+        worker = get_worker_info()
+        if worker is not None and worker.num_workers > 1:
+            raise RuntimeError("HFRowStream numbers rows in one process: use num_workers <= 1 (the datasets library "
+                               "splits shards over workers, each of which would count from 0)")
+        # a new iteration goes on where the last stopped (in this process), or from a loaded position
+        start = self._start if self._start is not None else (self.state_dict() if self._iterated else None)
+        self._start, self._iterated = None, True
+        self._pass, self._row = (0, 0) if start is None else (int(start["epoch"]), int(start["row"]))
+        while True:
+            self.dataset.set_epoch(self._pass)
+            if start is not None:  # applies to this pass only: the datasets library keys it by epoch
+                self.dataset.load_state_dict(start["dataset"])
+            rows_before = self._row
+            for row in self.dataset:
+                self._row += 1
+                yield {**row, "sample_index": self._pass * EPOCH_STRIDE + self._row - 1}
+            if self._row == 0 and rows_before == 0:
+                raise ValueError("HFRowStream: the dataset yielded no rows")
+            self._pass, self._row, start = self._pass + 1, 0, None
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._pass, "row": self._row, "dataset": self.dataset.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._start = state

@@ -143,6 +143,16 @@ class RaggedKV:
         self.token_lane, self.token_slot, self.token_row, self.token_qpos = token_lane, token_slot, token_row, token_qpos
         self.q_index, self.mask, self.lanes = q_index, mask, lanes
 
+    @property
+    def token_groups(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_index (rows, Q), valid (rows, Q)): which packed tokens form each row, for the layers that mix tokens
+        besides attention (expert-choice MoE routes within each row, as if it were decoded alone). A padding
+        column points at token 0, a real token only when it is row 0's first (rows are never empty)."""
+        rows, width = self.q_index.shape
+        valid = (self.token_row[self.q_index] == torch.arange(rows, device=self.q_index.device).view(-1, 1)) & (
+            self.token_qpos[self.q_index] == torch.arange(width, device=self.q_index.device).view(1, -1))
+        return self.q_index, valid
+
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
         """key / value (1, nkv, T, hd) fresh for the packed queries."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]

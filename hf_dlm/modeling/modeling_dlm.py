@@ -194,6 +194,10 @@ class DLMDecoderLayer(GradientCheckpointingLayer):
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, **kwargs
         )
         hidden_states = residual + hidden_states
+        # a packed input of independent rows (the engine's ragged cache): expert choice routes within each row
+        groups = getattr(kwargs.get("kv_cache"), "token_groups", None)
+        if groups is not None and isinstance(self.mlp, DLMSparseMoeBlock):
+            return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), token_groups=groups)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 

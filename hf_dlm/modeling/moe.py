@@ -68,25 +68,31 @@ def group_limited_mask(scores: torch.Tensor, n_group: int, topk_group: int) -> t
     return keep[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
 
 
-def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+def expert_capacity(tokens, num_experts: int, top_k: int, capacity_factor: float):
     """Tokens each expert takes under expert choice: floor(factor * tokens * k / E), at least 1 and at most
-    `tokens` (MegaDLMs: `max(tokens * k // E, 1)`, factor 1). Integer arithmetic, so compiled code with a
-    symbolic `tokens` needs no float guard."""
+    `tokens` (MegaDLMs: `max(tokens * k // E, 1)`, factor 1); `tokens` an int or a tensor of group lengths
+    (elementwise, 0 for an empty group). Integer arithmetic, so compiled code with a symbolic `tokens` needs no
+    float guard."""
     factor = Fraction(capacity_factor).limit_denominator(1 << 16)
-    return max(1, min(tokens, tokens * top_k * factor.numerator // (num_experts * factor.denominator)))
+    scaled = tokens * top_k * factor.numerator // (num_experts * factor.denominator)
+    if isinstance(tokens, torch.Tensor):
+        return scaled.clamp(min=1).minimum(tokens)
+    return max(1, min(tokens, scaled))
 
 
 def expert_choice_routing(router_logits: torch.Tensor, rows: int, top_k: int, capacity_factor: float = 1.0,
-                          pre_softmax: bool = False, token_mask: torch.Tensor | None = None):
+                          pre_softmax: bool = False, token_mask: torch.Tensor | None = None, groups=None):
     """MegaDLMs' expert choice (`expert_choice_softmax_with_capacity`). router_logits (N, E), N = rows x L: the
     experts choose within each of `rows` groups of consecutive tokens (rows=1: the whole micro-batch).
+    groups: (index (G, Q) token ids, valid (G, Q) bool) instead of `rows`: ragged groups, each of its own
+    length and capacity (the serving engine's packed rows, each routed as if it were decoded alone).
 
     Each expert takes the C = `expert_capacity(L, ...)` tokens of each group with the highest score: the
     router logit, or with `pre_softmax` the softmax probability over experts. A token's weights: without
     `pre_softmax` the softmax over the logits of the experts that chose it (zero when none did); with it
     the chosen probabilities. Padding (token_mask 0) ranks below every real token and gets zero weight.
-    -> tokens (E, rows * C) token ids per expert, weights (E, rows * C) fp32, chosen (N, E) bool
-    (real tokens only).
+    -> tokens (E, G * C) token ids per expert, weights (E, G * C) fp32 (0 for the slots beyond a ragged
+    group's capacity, which repeat one of its tokens), chosen (N, E) bool (real tokens only).
     """
     num_tokens, num_experts = router_logits.shape
     logits = router_logits.float()
@@ -94,18 +100,35 @@ def expert_choice_routing(router_logits: torch.Tensor, rows: int, top_k: int, ca
     scores = logits.softmax(dim=-1) if pre_softmax else logits
     if real is not None:
         scores = scores.masked_fill(~real, float("-inf"))
-    group = num_tokens // rows
-    capacity = expert_capacity(group, num_experts, top_k, capacity_factor)
-    values, index = scores.view(rows, group, num_experts).topk(capacity, dim=1)  # (rows, C, E)
-    tokens = index + (torch.arange(rows, device=index.device) * group)[:, None, None]
-    tokens, values = tokens.reshape(-1, num_experts), values.reshape(-1, num_experts)  # (rows * C, E)
-    chosen = torch.zeros_like(logits, dtype=torch.bool).scatter_(0, tokens, True)  # (N, E)
+    if groups is None:
+        index, valid = torch.arange(num_tokens, device=logits.device).view(rows, num_tokens // rows), None
+    else:
+        index, valid = groups
+    capacity = expert_capacity(index.shape[1], num_experts, top_k, capacity_factor)
+    grouped = scores[index]  # (G, Q, E)
+    if valid is not None:
+        grouped = grouped.masked_fill(~valid.unsqueeze(-1), float("-inf"))
+    values, position = grouped.topk(capacity, dim=1)  # (G, C, E)
+    tokens = index.gather(1, position.flatten(1)).view_as(position)
+    taken = None
+    if valid is not None:  # a group's own capacity, real slots only
+        own = expert_capacity(valid.sum(1), num_experts, top_k, capacity_factor)  # (G,)
+        rank = torch.arange(capacity, device=index.device).view(1, -1, 1)
+        taken = (rank < own.view(-1, 1, 1)) & valid.gather(1, position.flatten(1)).view_as(position)
+        taken = taken.reshape(-1, num_experts)
+    tokens, values = tokens.reshape(-1, num_experts), values.reshape(-1, num_experts)  # (G * C, E)
+    if taken is None:
+        chosen = torch.zeros_like(logits, dtype=torch.bool).scatter_(0, tokens, True)  # (N, E)
+    else:  # a slot past its group's capacity may repeat a chosen token: count, do not overwrite
+        chosen = torch.zeros_like(logits, dtype=torch.long).scatter_add_(0, tokens, taken.long()) > 0
     if real is not None:
         chosen = chosen & real
     if pre_softmax:
         weights = values
     else:  # softmax over the chosen experts' logits (a finite fill: a row with none stays NaN-free)
         weights = logits.masked_fill(~chosen, torch.finfo(logits.dtype).min).softmax(dim=-1).gather(0, tokens)
+    if taken is not None:
+        weights = weights.masked_fill(~taken, 0.0)
     if real is not None:
         weights = weights.masked_fill(~real.reshape(-1)[tokens], 0.0)
     return tokens.T, weights.T, chosen
@@ -296,15 +319,18 @@ class DLMSparseMoeBlock(nn.Module):
                 self.tokens_per_expert += count_per_expert(top_experts, self.num_experts, real)
         return (order, order.argsort(), top_weights), counts, losses
 
-    def _expert_choice(self, hidden_states, token_mask, rows):
+    def _expert_choice(self, hidden_states, token_mask, rows, token_groups=None):
         router_logits = self.gate(hidden_states)
         tokens, weights, chosen = expert_choice_routing(router_logits, rows, self.top_k, self.capacity_factor,
-                                                        self.pre_softmax, token_mask)  # (E, rows * C)
+                                                        self.pre_softmax, token_mask, token_groups)  # (E, G * C)
         counts = torch.full((self.num_experts,), tokens.shape[1], dtype=torch.long, device=tokens.device)
         losses = expert_choice_aux_losses(router_logits, chosen, self.top_k, token_mask)
         return tokens.reshape(-1), weights.reshape(-1), counts, losses
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, token_groups=None) -> torch.Tensor:
+        """token_groups: (index (G, Q), valid (G, Q)) of a packed input whose rows are independent sequences (the
+        serving engine's `kv_cache.token_groups`): expert choice then picks within each of them, whatever
+        `expert_choice_level` (each row routed as if it were alone); token choice is per token anyway."""
         shape = hidden_states.shape
         hidden_states = hidden_states.reshape(-1, shape[-1])  # (N, H)
         token_mask = None if self.token_mask is None else self.token_mask.reshape(-1)
@@ -314,7 +340,7 @@ class DLMSparseMoeBlock(nn.Module):
         # dispatch: the assignments' tokens, one contiguous run per expert; combine: weighted sum per token
         if self.router == "expert_choice":  # a token is taken by 0..E experts: combine with a scatter-add
             rows = shape[0] if self.expert_choice_level == "sequence" and len(shape) == 3 else 1
-            token_rows, row_weights, counts, losses = self._expert_choice(hidden_states, token_mask, rows)
+            token_rows, row_weights, counts, losses = self._expert_choice(hidden_states, token_mask, rows, token_groups)
             expert_output = self.experts(hidden_states.index_select(0, token_rows), counts)
             expert_output = expert_output * row_weights[:, None].to(expert_output.dtype)
             output = torch.zeros_like(hidden_states, dtype=expert_output.dtype).index_add_(0, token_rows, expert_output)

@@ -39,7 +39,7 @@ class ServerSettings:
     max_output_tokens: int = 1024  # larger max_tokens: 400
     default_max_tokens: int = 64  # max_tokens of a request without one
     max_sequences: int = 64  # most sequences (prompts x n) in one request
-    max_body_bytes: int = 4 * 2**20  # larger request bodies: 413, unread
+    max_body_bytes: int = 4 * 2**20  # larger request bodies: 413 (declared: unread; chunked: counted, `BodyLimit`)
     api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>` (else 401)
     drain_timeout: float = 30.0  # SIGTERM: seconds open requests may still run before they are answered 503
     chat_template: str | None = None  # a Jinja chat template used instead of the tokenizer's own
@@ -286,6 +286,45 @@ class DLMServer:
         return "\n".join(lines) + "\n"
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 before the app sees it. A declared
+    Content-Length over the limit is refused unread; any other body (chunked transfer has no Content-Length, and a
+    declared length may understate) is counted as it streams in and refused as soon as the count passes the limit,
+    so no more than `limit` bytes are ever held. Bodies within the limit are replayed to the app unchanged."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send, f"the body has {int(declared)} bytes")
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":  # the client left: the app hears it at once
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self._refuse(scope, receive, send, f"the body has more than {self.limit} bytes")
+            if not message.get("more_body", False):
+                break
+        pending = iter(messages)
+
+        async def replay():
+            return next(pending, None) or await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send, what: str):
+        response = _error_response(413, f"{what}; this server takes at most {self.limit}", None,
+                                   "invalid_request_error")
+        await response(scope, receive, send)
+
+
 def create_app(engine: ContinuousBatchingEngine, tokenizer, settings: ServerSettings | None = None,
                log=print) -> FastAPI:
     """The FastAPI app; the engine's loop starts with the app and stops at shutdown (uvicorn first waits for
@@ -310,17 +349,14 @@ def create_app(engine: ContinuousBatchingEngine, tokenizer, settings: ServerSett
 
     app = FastAPI(title="hf-dlm", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(BodyLimit, limit=server.settings.max_body_bytes)  # inside the middleware below: counted
 
     @app.middleware("http")
     async def check_key_and_count(request: Request, call_next):
-        key, limit = server.settings.api_key, server.settings.max_body_bytes
-        size = request.headers.get("content-length", "0")
+        key = server.settings.api_key
         if key and request.url.path.startswith("/v1/") and request.headers.get("authorization") != f"Bearer {key}":
             response = _error_response(401, "missing or wrong API key (Authorization: Bearer ...)", None,
                                        "authentication_error")
-        elif size.isdigit() and int(size) > limit:  # refused before the body is read and parsed
-            response = _error_response(413, f"the body has {size} bytes; this server takes at most {limit}", None,
-                                       "invalid_request_error")
         else:
             response = await call_next(request)
         server.http_status[(request.url.path, response.status_code)] += 1

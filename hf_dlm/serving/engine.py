@@ -104,9 +104,6 @@ class SamplingParams:
                              f"({num_blocks})", steps)
         # the exact cache of 'block' / 'causal' models gives the uncached tokens: those rows run uncached
         cache = config.cache if attention_mode == "bidirectional" else "none"
-        if config.cfg_scale and cache != "none":
-            raise FieldError("cfg_scale", f"cfg_scale: the serving engine guides rows without a KV cache only "
-                             f"(asked: {cache!r})", config.cfg_scale)
         return cls(max_new_tokens=new_tokens, block_length=block_length, steps=steps,
                    temperature=config.sampling_temperature, top_p=config.top_p, top_k=config.top_k,
                    threshold=config.threshold, remasking=config.remasking, stop_on_eos=config.stop_on_eos, seed=seed,
@@ -392,7 +389,7 @@ class ContinuousBatchingEngine:
     def _commit_group(self, group: list[_Row], logits: torch.Tensor, settings: CommitSettings) -> torch.Tensor:
         """-> (g, 3) bool: has masks after the step, had masks before it, edited."""
         # the group's own width: a seeded row draws its noise for its block only, as generate alone does
-        width = max(row.params.block_length for row in group)
+        width = max(row.schedule.window[1] - row.schedule.window[0] for row in group)  # aligned: a partial block
         columns = torch.arange(width, device=self.device)
         budgets = [row.schedule.step_budget or 0 for row in group]
         starts, lengths, lanes, budget, offsets = torch.tensor(  # one upload

@@ -6,7 +6,10 @@
 - device-mesh runs (`hf_dlm.parallel.trainer_parallel`): model and optimizer through
   `torch.distributed.checkpoint` (`dcp/`), which any layout (one process included) resumes from;
 - extras per rank: the data position of the last consumed batch (`data_state_rank{r}.pt`, given back to a
-  train dataset with `load_state_dict` on resume) and float8 delayed-scaling histories; the objective as JSON.
+  train dataset with `load_state_dict` on resume) and float8 delayed-scaling histories; the objective as JSON;
+- the final model (any `save_model` outside a checkpoint, in every layout) gets hf-dlm's model card with the
+  run's training details (`training_details`, recorded in `hf_dlm_info.json`); transformers' and trl's own
+  cards, which describe a causal LM, are never written (`create_model_card`).
 
 `CheckpointingMixin` goes before the `transformers.Trainer` subclass in the bases and after
 `DiffusionBatchMixin` (it reads `self.objective`, `self._parallel`, `self._data_state`, `self._paused`).
@@ -28,6 +31,7 @@ from ..parallel.float8_delayed import float8_state_dict, load_float8_state_dict
 from ..parallel.trainer_parallel import (has_sharded_checkpoint, load_scheduler_state, load_sharded_checkpoint,
                                          save_full_model, save_sharded_checkpoint)
 from ..utils.checkpoint_files import check_checkpoint_files
+from ..utils.publishing import publisher  # hub/ sits above training: its writer is plugged in by `import hf_dlm`
 
 # not matched by get_last_checkpoint's `^checkpoint-\d+$` nor rotation's `checkpoint-*`; the leading "_" is
 # the Trainer's own "never upload" pattern (`ignore_patterns=["_*", ...]` when it pushes output_dir to the Hub)
@@ -41,6 +45,7 @@ class CheckpointingMixin:
     _staging_root: str | None = None
     _parallel = None
     _data_state = None
+    card_trainer: str | None = None  # the model card's "trainer" field (None: the class name)
 
     def _get_output_dir(self, trial) -> str:
         run_dir = super()._get_output_dir(trial)
@@ -84,14 +89,17 @@ class CheckpointingMixin:
 
     # -- device-mesh checkpoints (torch.distributed.checkpoint; hf_dlm.parallel.trainer_parallel) ---------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if self._parallel is None:
-            return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
-        if _internal_call:  # a checkpoint: the sharded model is saved with the optimizer, in dcp/
+        if self._parallel is None:
+            super().save_model(output_dir, _internal_call)
+        elif _internal_call:  # a checkpoint: the sharded model is saved with the optimizer, in dcp/
             if self.args.should_save:
                 self.accelerator.unwrap_model(self.model).config.save_pretrained(output_dir)
             return
-        save_full_model(self.accelerator.unwrap_model(self.model), output_dir, self.args.should_save)
+        else:
+            save_full_model(self.accelerator.unwrap_model(self.model), output_dir, self.args.should_save)
+        if self._staging_root is None:  # final models, not every checkpoint
+            self._write_model_card(output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self._parallel is None:
@@ -119,6 +127,38 @@ class CheckpointingMixin:
         if getattr(model.config, "tie_word_embeddings", False) and tied & set(load_result.missing_keys):
             load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
         super()._issue_warnings_after_load(load_result)
+
+    # -- model card ---------------------------------------------------------------------------------------
+    def training_details(self) -> dict:
+        """What the model card's "Training details" table records about this run."""
+        args, objective = self.args, self.objective
+        details = {"trainer": self.card_trainer or type(self).__name__, "objective_preset": args.objective_preset,
+                   **{name: getattr(objective, name) for name in ("mode", "schedule", "weighting", "t_sampling",
+                                                                  "eps", "normalization", "label_alignment")},
+                   "global_step": self.state.global_step, "epochs": round(float(self.state.epoch or 0), 4),
+                   "learning_rate": args.learning_rate, "lr_scheduler_type": str(getattr(args.lr_scheduler_type,
+                                                                                      "value", args.lr_scheduler_type)),
+                   "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+                   * args.world_size, "world_size": args.world_size, "seed": args.seed,
+                   "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"}
+        if args.fp8_recipe:
+            details["fp8_recipe"] = args.fp8_recipe
+        if args.pp_size > 1:
+            details["pp_size"] = args.pp_size
+        return details
+
+    def _write_model_card(self, output_dir: str) -> None:
+        if self.args.should_save:
+            publisher().write_final_card(output_dir, self.accelerator.unwrap_model(self.model).config,
+                                         self.training_details())
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """transformers' and trl's cards describe a causal LM (trl writes its own at every checkpoint, both at
+        `push_to_hub`): write hf-dlm's card into output_dir instead; their arguments (model and dataset names,
+        tags) describe those cards and are not used. Not while a checkpoint is written: output_dir gets its
+        card with the final model."""
+        if self._staging_root is None:
+            self._write_model_card(self.args.output_dir)
 
     # -- per-rank extras ------------------------------------------------------------------------------
     def _rank_file(self, checkpoint_dir: str, name: str) -> str:

@@ -11,7 +11,10 @@
 - `compute_loss`: the model's masked-only, chunked head with that global normaliser;
 - `training_step` / `log`: tokens/s, MFU, masked fraction and masked-token cross-entropy by t bucket. The
   per-token cross-entropy is read, for free, from the gradient of the loss with respect to the per-position
-  weights: d loss / d w_i = CE_i / normaliser.
+  weights: d loss / d w_i = CE_i / normaliser;
+- `evaluate`: the seeded, stratified ELBO bound (`hf_dlm.diffusion.elbo.elbo_nll`) over the scored tokens of
+  the evaluation batches (real tokens outside `prompt_mask`: the completion in SFT, as its loss), not the
+  training loss on corrupted batches.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 import torch
 
 from ..data.collator import DATA_STATE_KEY
+from ..diffusion.elbo import elbo_nll
 from ..parallel.expert_parallel import expert_bias_callback
 from ..parallel.trainer_parallel import install_accelerator_hooks, setup_parallel_training
 
@@ -205,6 +209,55 @@ class DiffusionBatchMixin:
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._collect_t_buckets()
         return loss
+
+    # -- evaluation -----------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """ELBO bound on the NLL of the evaluation set (nats per scored token, summed over ranks); batch k's
+        masks are drawn with seed `eval_seed + k`, so evaluations of one model on one set agree. A dict of
+        sets (given or the trainer's) is evaluated set by set, with `{prefix}_{name}_` metrics."""
+        if self._pipeline is not None:
+            raise NotImplementedError("evaluate with pp_size > 1: the ELBO runs the whole model; evaluate a saved "
+                                      "checkpoint with pp_size=1 (the checkpoints load in any layout)")
+        sets = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(sets, dict):
+            metrics = {}
+            for name, dataset in sets.items():  # the trainer's own sets by name: get_eval_dataloader caches them
+                metrics.update(self.evaluate(dataset if eval_dataset is not None else name, ignore_keys,
+                                             f"{metric_key_prefix}_{name}"))
+            return metrics
+        start = time.perf_counter()
+        dataloader = self.get_eval_dataloader(self._evaluation_set(eval_dataset))
+        model = self.accelerator.unwrap_model(self.model)
+        was_training = model.training
+        model.eval()
+        nll_sum = torch.zeros((), dtype=torch.float64, device=self.args.device)
+        num_tokens = torch.zeros((), dtype=torch.float64, device=self.args.device)
+        with self.accelerator.autocast():
+            for step, batch in enumerate(dataloader):
+                batch.pop(DATA_STATE_KEY, None)
+                result = elbo_nll(model, batch["input_ids"], batch.get("attention_mask"), batch.get("prompt_mask"),
+                                  mc_num=self.args.eval_mc_num, seed=self.args.eval_seed + step,
+                                  batch_size=batch["input_ids"].shape[0], position_ids=batch.get("position_ids"),
+                                  subs=self.objective.subs)
+                nll_sum += result["per_sequence"].sum().to(nll_sum.device)
+                num_tokens += result["num_tokens"]
+        totals = torch.stack([nll_sum, num_tokens])
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        nll = float(totals[0] / totals[1].clamp(min=1))
+        runtime = time.perf_counter() - start
+        metrics = {f"{metric_key_prefix}_loss": nll, f"{metric_key_prefix}_nll_per_token": nll,
+                   f"{metric_key_prefix}_perplexity_bound": math.exp(min(nll, 700.0)),
+                   f"{metric_key_prefix}_num_tokens": float(totals[1]), f"{metric_key_prefix}_runtime": runtime}
+        self.log(metrics)  # still in eval mode: trl's log reads the mode from model.training
+        model.train(was_training)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        self._paused += runtime  # evaluation time is not training throughput
+        return metrics
+
+    def _evaluation_set(self, eval_dataset):
+        """A set handed to `evaluate`, ready for `get_eval_dataloader` (DLMSFTTrainer: trl's preparation)."""
+        return eval_dataset
 
     # -- statistics -----------------------------------------------------------------------------------
     def _reset_window(self):

@@ -1,4 +1,4 @@
-"""The Trainer hooks of a pipeline-parallel run (`DLMTrainingArguments.pp_size > 1`), mixed into `DLMTrainer`.
+"""The Trainer hooks of a pipeline-parallel run (`pp_size > 1`), mixed into `DLMTrainer` and `DLMSFTTrainer`.
 
 Without a pipeline every hook defers to `transformers.Trainer`. With one:
 - the model the Trainer holds is this rank's `DLMPipelineModel` (its stages' parameters, `save_pretrained`
@@ -90,6 +90,7 @@ class PipelineTrainingMixin:
         with self.accelerator.autocast():
             loss = pipeline.step(window, num_items_in_batch / pipeline.dp_size)
         for micro_stats, micro_batch in zip(stats, window):
+            self._batch_metrics(micro_stats, True)  # a trainer's own per-batch metrics (trl's, for DLMSFTTrainer)
             if pipeline.has_last_stage:  # the statistics are counted once per data-parallel group
                 self._record(micro_stats, micro_batch, num_items_in_batch, pipeline.dp_size, track_t)
             else:

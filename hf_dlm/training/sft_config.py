@@ -1,8 +1,10 @@
 """`DLMSFTConfig`: trl's `SFTConfig` plus what `DLMTrainingArguments` adds for diffusion, spelled the same:
 the objective (`ObjectiveArguments`: `objective_preset` and the fields `schedule`, `weighting`, `t_sampling`,
 `eps`, `normalization`, `at_least_one_masked`, `random_length_prob`, `objective_seed`), the statistics and
-speed switches (`DiffusionTrainingFields`: `t_buckets`, `peak_flops`, `fp8_recipe`, `compile_blocks`, ...),
-the device mesh (`ParallelArguments`: `tp_size`, `cp_size`, `dp_shard_size`, ...) and the EOS-padding policy.
+speed switches (`DiffusionTrainingFields`: `t_buckets`, `peak_flops`, `fp8_recipe`, `compile_blocks`,
+`eval_mc_num`, ...), pipeline parallelism (`PipelineArguments`: `pp_size`, `pp_schedule`, ...; every batch is then
+padded to `max_length`), the device mesh (`ParallelArguments`: `tp_size`, `cp_size`, `dp_shard_size`, ...) and
+the EOS-padding policy.
 
 trl's dataset options keep their meaning (language modelling, prompt-completion, conversational with the
 chat template, `completion_only_loss`, `assistant_only_loss`, `max_length`, `packing`); what trl marks as not
@@ -29,14 +31,14 @@ from ..data.sft_data import PADDING_POLICIES  # noqa: E402
 from ..diffusion.objective import PRESETS, MaskedDiffusionObjective  # noqa: E402
 from ..parallel.trainer_parallel import ParallelArguments  # noqa: E402
 from ..utils.transformers_compat import default_activation_checkpointing  # noqa: E402
-from .training_args import DiffusionTrainingFields, ObjectiveArguments  # noqa: E402
+from .training_args import DiffusionTrainingFields, ObjectiveArguments, PipelineArguments  # noqa: E402
 
 # LLaDA's SFT recipe on top of the preset: each row's loss divided by its response length, no random cuts
 SFT_OBJECTIVE_DEFAULTS = {"normalization": "sequence", "random_length_prob": 0.0}
 
 
 @dataclass
-class DLMSFTConfig(ObjectiveArguments, DiffusionTrainingFields, ParallelArguments, SFTConfig):
+class DLMSFTConfig(ObjectiveArguments, DiffusionTrainingFields, PipelineArguments, ParallelArguments, SFTConfig):
     _objective_defaults: ClassVar[dict] = SFT_OBJECTIVE_DEFAULTS
 
     objective_preset: str | None = field(
@@ -66,6 +68,10 @@ class DLMSFTConfig(ObjectiveArguments, DiffusionTrainingFields, ParallelArgument
         self._fold_objective_overrides()
         self._validate_objective_fields()
         self._validate_diffusion_fields()
+        self._validate_pipeline_fields(self._field_error)
+        if self.pp_size > 1 and self.max_length is None:
+            self._field_error("max_length", "set with pp_size > 1 (a pipeline sends fixed-shape activations: every "
+                                            "batch is padded to max_length)")
         self._validate_layout_fields()
         default_activation_checkpointing(self, False)  # the new name when this transformers has it: no FutureWarning
         super().__post_init__()

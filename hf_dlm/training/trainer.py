@@ -1,25 +1,21 @@
 """`DLMTrainer`: `transformers.Trainer` for masked-diffusion LMs, overriding narrow hooks, not the loop.
 
 The diffusion hooks (batch corruption and the global loss normaliser, the loss, throughput / MFU / CE-by-t
-statistics, device-mesh set-up) are `diffusion_batch.DiffusionBatchMixin`, shared with `DLMSFTTrainer`;
+statistics, device-mesh set-up, `evaluate` with the ELBO bound) are `diffusion_batch.DiffusionBatchMixin`,
+shared with `DLMSFTTrainer`;
 checkpoints (atomic staged saves, DCP routing, data-position and float8 resume) are
 `checkpointing.CheckpointingMixin`. Here: the pretraining data path (map-style datasets get sample indices,
-streams report their position), `evaluate` with the ELBO bound (`elbo.elbo_nll`) instead of the training
-loss, and the model card of the final save.
+streams report their position) and pipeline parallelism (`PipelineTrainingMixin`, shared with `DLMSFTTrainer`).
+The final save's model card is `CheckpointingMixin`'s.
 """
 
 from __future__ import annotations
 
-import math
-import time
-
-import torch
 from torch.utils.data import Dataset, IterableDataset
 from transformers import Trainer
 from transformers.utils import logging
 
-from ..data.collator import DATA_STATE_KEY, DLMDataCollator
-from ..diffusion.elbo import elbo_nll
+from ..data.collator import DLMDataCollator
 from ..diffusion.objective import MaskedDiffusionObjective
 from .checkpointing import DATA_STATE_NAME, FLOAT8_STATE_NAME, OBJECTIVE_NAME, STAGING_DIR, CheckpointingMixin
 from .diffusion_batch import STATS_KEY, DiffusionBatchMixin, antithetic_group, corrupted_model_inputs
@@ -36,6 +32,8 @@ __all__ = ["DLMTrainer", "DATA_STATE_NAME", "FLOAT8_STATE_NAME", "OBJECTIVE_NAME
 class DLMTrainer(DiffusionBatchMixin, CheckpointingMixin, PipelineTrainingMixin, Trainer):
     """Trainer of `DLMForDiffusionLM` (or any model taking `labels`, `label_weights` and
     `num_items_in_batch`). `objective` defaults to `args.build_objective(model.config)`."""
+
+    card_trainer = "hf_dlm.DLMTrainer"  # the model card's "trainer" field
 
     def __init__(self, model=None, args: DLMTrainingArguments | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, objective: MaskedDiffusionObjective | None = None, **kwargs):
@@ -68,68 +66,6 @@ class DLMTrainer(DiffusionBatchMixin, CheckpointingMixin, PipelineTrainingMixin,
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)
         self._finish_diffusion_setup(model, objective)
-
-    # -- evaluation -----------------------------------------------------------------------------------
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
-        """ELBO bound on the NLL of the evaluation set (nats per scored token, summed over ranks)."""
-        if self._pipeline is not None:
-            raise NotImplementedError("evaluate with pp_size > 1: the ELBO runs the whole model; evaluate a saved "
-                                      "checkpoint with pp_size=1 (the checkpoints load in any layout)")
-        start = time.perf_counter()
-        dataloader = self.get_eval_dataloader(eval_dataset)
-        model = self.accelerator.unwrap_model(self.model)
-        was_training = model.training
-        model.eval()
-        nll_sum = torch.zeros((), dtype=torch.float64, device=self.args.device)
-        num_tokens = torch.zeros((), dtype=torch.float64, device=self.args.device)
-        with self.accelerator.autocast():
-            for step, batch in enumerate(dataloader):
-                batch.pop(DATA_STATE_KEY, None)
-                result = elbo_nll(model, batch["input_ids"], batch.get("attention_mask"), batch.get("prompt_mask"),
-                                  mc_num=self.args.eval_mc_num, seed=self.args.eval_seed + step,
-                                  batch_size=batch["input_ids"].shape[0], position_ids=batch.get("position_ids"),
-                                  subs=self.objective.subs)
-                nll_sum += result["per_sequence"].sum().to(nll_sum.device)
-                num_tokens += result["num_tokens"]
-        model.train(was_training)
-        totals = torch.stack([nll_sum, num_tokens])
-        if self.accelerator.num_processes > 1:
-            totals = self.accelerator.reduce(totals, reduction="sum")
-        nll = float(totals[0] / totals[1].clamp(min=1))
-        runtime = time.perf_counter() - start
-        metrics = {f"{metric_key_prefix}_loss": nll, f"{metric_key_prefix}_nll_per_token": nll,
-                   f"{metric_key_prefix}_perplexity_bound": math.exp(min(nll, 700.0)),
-                   f"{metric_key_prefix}_num_tokens": float(totals[1]), f"{metric_key_prefix}_runtime": runtime}
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        self._paused += runtime  # evaluation time is not training throughput
-        return metrics
-
-    def training_details(self) -> dict:
-        """What the model card's "Training details" table records about this run."""
-        args, objective = self.args, self.objective
-        details = {"trainer": "hf_dlm.DLMTrainer", "objective_preset": args.objective_preset,
-                   **{name: getattr(objective, name) for name in ("mode", "schedule", "weighting", "t_sampling",
-                                                                  "eps", "normalization", "label_alignment")},
-                   "global_step": self.state.global_step, "epochs": round(float(self.state.epoch or 0), 4),
-                   "learning_rate": args.learning_rate, "lr_scheduler_type": str(getattr(args.lr_scheduler_type,
-                                                                                      "value", args.lr_scheduler_type)),
-                   "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
-                   * args.world_size, "world_size": args.world_size, "seed": args.seed,
-                   "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"}
-        if args.fp8_recipe:
-            details["fp8_recipe"] = args.fp8_recipe
-        return details
-
-    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """The parent's save, then the training record and a model card that shows it."""
-        super()._save(output_dir, state_dict)
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.args.should_save and self._staging_root is None:  # final models, not every checkpoint
-            from ..utils.publishing import publisher  # hub/ sits above training
-
-            publisher().write_final_card(output_dir, self.accelerator.unwrap_model(self.model).config,
-                                         self.training_details())
 
 
 class _IndexedSamples(Dataset):

@@ -2,8 +2,9 @@
 the trainer's throughput accounting and the parallelisation switches.
 
 The fields shared with `DLMSFTConfig` live in two mixins, so both trainers spell every setting the same way:
-`ObjectiveArguments` (the one objective spelling: preset plus explicit fields, `build_objective`) and
-`DiffusionTrainingFields` (statistics, float8, compile, output-folder safety); the device-mesh fields are
+`ObjectiveArguments` (the one objective spelling: preset plus explicit fields, `build_objective`),
+`DiffusionTrainingFields` (statistics, float8, compile, ELBO evaluation, output-folder safety) and
+`PipelineArguments` (`pp_size`, `pp_schedule`, ...); the device-mesh fields are
 `hf_dlm.parallel.trainer_parallel.ParallelArguments`.
 
 Defaults that differ from the parent: `remove_unused_columns=False` (the trainer needs `sample_index`,
@@ -108,8 +109,8 @@ class ObjectiveArguments:
 @dataclass
 class DiffusionTrainingFields:
     """What every diffusion trainer reads besides the objective (a mixin of both trainers' arguments):
-    throughput statistics, float8 / compile / residual precision (through hf_dlm.parallel.parallelize) and
-    the output-folder guard."""
+    throughput statistics, float8 / compile / residual precision (through hf_dlm.parallel.parallelize), the
+    ELBO evaluation and the output-folder guard."""
 
     peak_flops: float = field(
         default=989e12,
@@ -150,6 +151,11 @@ class DiffusionTrainingFields:
         metadata={"help": "torch.compile each decoder block separately (torchtitan's per-block compile), applied by "
                           "hf_dlm.parallel.parallelize."},
     )
+    eval_mc_num: int = field(
+        default=8, metadata={"help": "Monte Carlo draws per sequence of the ELBO bound that `evaluate` reports "
+                                     "(over the scored tokens: all real tokens, or the completion in SFT)."})
+    eval_seed: int = field(default=0, metadata={"help": "Seed of the ELBO evaluation's masking draws (batch k: "
+                                                        "eval_seed + k)."})
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Train into an output_dir that already holds checkpoints without resuming from them (they "
@@ -173,15 +179,14 @@ class DiffusionTrainingFields:
             fail("low_precision_residual", "False unless bf16 or fp16 is set (it acts under autocast)")
         if not isinstance(self.compile_blocks, bool):
             fail("compile_blocks", "a bool")
+        if self.eval_mc_num < 1:
+            fail("eval_mc_num", ">= 1")
 
 
 @dataclass
-class DLMTrainingArguments(ObjectiveArguments, DiffusionTrainingFields, ParallelArguments, TrainingArguments):
-    # -- evaluation --------------------------------------------------------------------------------
-    eval_mc_num: int = field(
-        default=8, metadata={"help": "Monte Carlo draws per sequence of the ELBO bound used for evaluation."})
-    eval_seed: int = field(default=0, metadata={"help": "Seed of the ELBO evaluation's masking draws."})
-    # -- pipeline parallel (hf_dlm.parallel.pipeline) -------------------------------------------
+class PipelineArguments:
+    """The pipeline-parallel fields of both trainers' arguments (`PipelineTrainingMixin` reads them)."""
+
     pp_size: int = field(
         default=1,
         metadata={"help": "Pipeline-parallel stages (hf_dlm.parallel.pipeline): the model is cut at decoder-layer "
@@ -203,6 +208,33 @@ class DLMTrainingArguments(ObjectiveArguments, DiffusionTrainingFields, Parallel
         metadata={"help": "First decoder layer of each stage after the first (pp_size x stages per rank - 1 ascending "
                           "indices). None: layers spread evenly."},
     )
+
+    def _validate_pipeline_fields(self, fail) -> None:
+        from ..parallel.pipeline import PIPELINE_SCHEDULES
+
+        if not isinstance(self.pp_size, int) or self.pp_size < 1:
+            fail("pp_size", "an integer >= 1")
+        if self.pp_schedule not in PIPELINE_SCHEDULES:
+            fail("pp_schedule", f"one of {PIPELINE_SCHEDULES}")
+        if self.pp_size == 1:
+            return
+        # the schedule runs forward and backward itself: what needs the Trainer's own forward / backward is refused
+        if str(getattr(self.eval_strategy, "value", self.eval_strategy)) != "no" or self.load_best_model_at_end:
+            fail("eval_strategy", "'no' with pp_size > 1 (evaluation runs the whole model: evaluate a saved "
+                                  "checkpoint with pp_size=1; the checkpoints load in any layout)")
+        if self.fsdp:
+            fail("fsdp", "empty with pp_size > 1 (accelerate's FSDP wraps the whole model; hf-dlm shards each "
+                         "pipeline stage with FSDP2 over the processes beyond pp_size itself)")
+        if self.fp16:
+            fail("fp16", "False with pp_size > 1 (its loss scaling goes through accelerator.backward, which the "
+                         "pipeline schedule replaces; use bf16)")
+        if self.pp_schedule == "1f1b" and self.gradient_accumulation_steps < self.pp_size:
+            fail("gradient_accumulation_steps", f">= pp_size={self.pp_size} with pp_schedule='1f1b' (its micro-batches)")
+
+
+@dataclass
+class DLMTrainingArguments(ObjectiveArguments, DiffusionTrainingFields, PipelineArguments, ParallelArguments,
+                           TrainingArguments):
     # -- parent defaults changed ------------------------------------------------------------------
     remove_unused_columns: bool = field(
         default=False,
@@ -234,31 +266,7 @@ class DLMTrainingArguments(ObjectiveArguments, DiffusionTrainingFields, Parallel
                 fail(name, ">= 1")
         self._validate_objective_fields()
         self._validate_diffusion_fields()
-        if self.eval_mc_num < 1:
-            fail("eval_mc_num", ">= 1")
         if not self.average_tokens_across_devices:
             # DLMTrainer always normalises by the global number of supervised items (exact accumulation)
             fail("average_tokens_across_devices", "True (the loss is normalised over all ranks)")
         self._validate_pipeline_fields(fail)
-
-    def _validate_pipeline_fields(self, fail) -> None:
-        from ..parallel.pipeline import PIPELINE_SCHEDULES
-
-        if not isinstance(self.pp_size, int) or self.pp_size < 1:
-            fail("pp_size", "an integer >= 1")
-        if self.pp_schedule not in PIPELINE_SCHEDULES:
-            fail("pp_schedule", f"one of {PIPELINE_SCHEDULES}")
-        if self.pp_size == 1:
-            return
-        # the schedule runs forward and backward itself: what needs the Trainer's own forward / backward is refused
-        if str(getattr(self.eval_strategy, "value", self.eval_strategy)) != "no" or self.load_best_model_at_end:
-            fail("eval_strategy", "'no' with pp_size > 1 (evaluation runs the whole model: evaluate a saved "
-                                  "checkpoint with pp_size=1; the checkpoints load in any layout)")
-        if self.fsdp:
-            fail("fsdp", "empty with pp_size > 1 (accelerate's FSDP wraps the whole model; hf-dlm shards each "
-                         "pipeline stage with FSDP2 over the processes beyond pp_size itself)")
-        if self.fp16:
-            fail("fp16", "False with pp_size > 1 (its loss scaling goes through accelerator.backward, which the "
-                         "pipeline schedule replaces; use bf16)")
-        if self.pp_schedule == "1f1b" and self.gradient_accumulation_steps < self.pp_size:
-            fail("gradient_accumulation_steps", f">= pp_size={self.pp_size} with pp_schedule='1f1b' (its micro-batches)")

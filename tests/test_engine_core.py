@@ -100,7 +100,8 @@ def test_factor_entropy_bound_and_editing_equal_generate_in_the_engine(cache):
 # aligned blocks); the prompts end inside, and on, a block
 SCHEDULE_RULES = [dict(align_blocks=True, threshold=0.5), dict(schedule="dream", steps=8),
                   dict(align_blocks=True, threshold=0.6, sub_block_length=2, first_token_alone=True),
-                  dict(align_blocks=True, schedule="dream"), dict(align_blocks=True, factor=1.0, sub_block_length=3)]
+                  dict(align_blocks=True, schedule="dream", cache="dual"),
+                  dict(align_blocks=True, factor=1.0, sub_block_length=3, cache="prefix")]
 
 
 @pytest.mark.parametrize("mode,alignment", [("block", "shift"), ("bidirectional", "same")])

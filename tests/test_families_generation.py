@@ -14,8 +14,15 @@ import torch.nn.functional as F
 
 import hf_dlm  # noqa: F401
 from tests.utils import FAMILY_MASK as MASK
-from tests.utils import FAMILY_VOCAB as V
-from tests.utils import tiny_family as tiny
+from tests.utils import tiny_family
+
+
+def tiny(name, seed=0):
+    model = tiny_family(name, seed)
+    if not model.config.tie_word_embeddings:  # the sources let [MASK] win the argmax (and stay masked); the core
+        with torch.no_grad():  # never proposes it: keep it out of reach
+            model.get_output_embeddings().weight[MASK] = 0
+    return model
 
 
 def prompt(length, seed=0):
@@ -160,10 +167,15 @@ def test_published_sampler_defaults():
             fast.cache) == (32, 8, 0.95, True, True, "prefix")
 
 
-def test_llada_semi_autoregressive_blocks_equal_llada_generate():
-    model = tiny("llada")
+@pytest.mark.parametrize("name", ["llada", "lladamoe"])
+def test_llada_semi_autoregressive_blocks_equal_llada_generate(name):
+    """LLaDA's published defaults (blocks of 32, one token a step, low confidence, greedy), which LLaDA-MoE ships
+    too, and 2 tokens a step in blocks of 8."""
+    model = tiny(name)
     ids = prompt(6)
     with torch.no_grad():
+        defaults = model.generate(ids, max_new_tokens=64, steps=64)  # the 128 / 128 defaults at half the length
+        assert torch.equal(defaults, llada_generate(model, ids, steps=64, gen_length=64, block_length=32))
         expected = llada_generate(model, ids, steps=8, gen_length=16, block_length=8)
         out = model.generate(ids, max_new_tokens=16, steps=8, block_length=8)  # 2 tokens a step: ties matter less
     assert torch.equal(out, expected)
@@ -257,3 +269,51 @@ def test_fast_dllm_v2_equals_batch_sample(prompt_length, threshold):
                                       sub_block_length=None)
     assert torch.equal(cached, expected) and torch.equal(uncached, expected)
     assert not torch.equal(whole_blocks, expected)  # the sub-blocks matter here
+
+
+def test_published_generation_config_keeps_ids_and_takes_the_family_sampler(tmp_path, caplog):
+    """A checkpoint's own generation_config.json (Fast-dLLM v2 ships its Qwen parent's: repetition_penalty,
+    temperature, top_k) keeps its token ids; the family's sampler defaults replace what they name and the options
+    the diffusion sampler cannot honour are reset, named in a warning. A file hf-dlm wrote is used as saved."""
+    import json
+    import logging
+
+    from transformers import AutoModelForMaskedLM
+
+    model = tiny("Fast_dLLM_Qwen")
+    model.save_pretrained(tmp_path / "published")
+    (tmp_path / "published" / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": 1, "do_sample": True, "repetition_penalty": 1.05,
+        "temperature": 0.7, "top_k": 20, "top_p": 0.8}))
+    with caplog.at_level(logging.WARNING):
+        loaded = AutoModelForMaskedLM.from_pretrained(tmp_path / "published")
+    config = loaded.generation_config
+    assert (config.eos_token_id, config.pad_token_id, config.repetition_penalty) == ([2, 3], 1, 1.0)
+    assert (config.do_sample, config.threshold, config.sub_block_length, config.align_blocks) == (False, 0.95, 8, True)
+    assert "repetition_penalty" in caplog.text
+    ids = prompt(5)
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(ids, max_new_tokens=27), model.generate(ids, max_new_tokens=27))
+
+    loaded.generation_config.threshold, loaded.generation_config.align_blocks = 0.5, False
+    loaded.save_pretrained(tmp_path / "saved")
+    again = AutoModelForMaskedLM.from_pretrained(tmp_path / "saved").generation_config
+    assert (again.threshold, again.align_blocks, again.sub_block_length, again.eos_token_id) == (0.5, False, 8, [2, 3])
+
+
+def test_aligned_block_bounds_and_refused_combinations():
+    from hf_dlm.generation.sampling import block_bounds
+    from hf_dlm.utils.errors import FieldError
+
+    # prompt of 6 (slots 0..5), 10 new tokens, blocks of 4: the rest of block [4, 8), then [8, 12), [12, 16)
+    assert block_bounds(6, 10, 4, 0) == ([(6, 8, 2), (8, 12, 0), (12, 16, 0)], 16)
+    # one slot of left padding: position 0 at slot 1, boundaries at slots 1, 5, 9, ...; canvas to slot 17
+    assert block_bounds(6, 10, 4, 1) == ([(6, 9, 1), (9, 13, 0), (13, 17, 0)], 17)
+    assert block_bounds(6, 8, 4) == ([(6, 10, 0), (10, 14, 0)], 14)  # unaligned: from the prompt end
+    model = tiny("llada")
+    for name, value in (("sub_block_length", 8), ("first_token_alone", True)):
+        with pytest.raises(FieldError, match=name) as error:  # LLaDA's budget counts the whole block
+            model.generate(prompt(4), max_new_tokens=8, block_length=8, **{name: value})
+        assert error.value.field == name
+    with pytest.raises(FieldError, match="schedule"):
+        model.generate(prompt(4), max_new_tokens=8, schedule="cosine")

@@ -33,7 +33,7 @@ class RowSchedule:
         self._start_block()
 
     def _start_block(self):
-        self.step, self.has_masks, self.settled, self.post_steps = 0, True, False, 0
+        self.step, self.forwards, self.has_masks, self.settled, self.post_steps = 0, 0, True, False, 0
         # at a block start every position of the block is masked: LLaDA's budget needs no device read
         start, end, _ = self.blocks[self.block]
         self.budget = transfer_schedule(torch.tensor([end - start]), self.steps_per_block, self.schedule,
@@ -69,12 +69,13 @@ class RowSchedule:
         start (the refresh stores every slot), else the window (dual: the block; prefix: the block and the rest),
         one slot earlier for shifted models (i - 1 predicts i)."""
         start, end = self.window
-        if self.cache == "none" or self.step == 0:
+        if self.cache == "none" or self.forwards == 0:  # a step of count 0 (Dream's schedule) runs no forward
             return 0, self.length
         return start - self.shift, end if self.cache == "dual" else self.length
 
     def after_step(self, has_masks: bool, began_with_masks: bool, edited: bool):
         self.step += 1
+        self.forwards += 1
         self.has_masks = has_masks
         if self.editing and not began_with_masks:  # LLaDA2.1: a mask-free step without edits ends the block
             self.post_steps += 1

@@ -90,12 +90,18 @@ class DLMGenerationMixin:
         if pretrained_model_name_or_path is None:
             return
         try:
-            self.generation_config = GenerationConfig.from_pretrained(
+            loaded = GenerationConfig.from_pretrained(
                 pretrained_model_name_or_path, cache_dir=cache_dir, force_download=force_download, proxies=proxies,
                 local_files_only=local_files_only, token=token, revision=revision, subfolder=subfolder,
                 _from_auto=from_auto_class, _from_pipeline=from_pipeline)
         except OSError:
-            pass  # no generation_config.json: keep the one built from the model config
+            return  # no generation_config.json: keep the one built from the model config
+        self.generation_config = self.loaded_generation_config(loaded)
+
+    def loaded_generation_config(self, loaded: GenerationConfig) -> GenerationConfig:
+        """Hook for models whose checkpoints may carry a generation_config.json written for another sampler (the
+        published families, `FamilyModelMixin`): the file as loaded -> the config to use. Default: the file."""
+        return loaded
 
     @torch.no_grad()
     def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
@@ -382,7 +388,7 @@ class DiffusionSampler:
                 block_start = pads + torch.div(start - pads, size, rounding_mode="floor") * size
                 block_end = pads + (torch.div(end - 1 - pads, size, rounding_mode="floor") + 1) * size
                 query_lo, key_end = int(block_start.min()), min(total, int(block_end.max()))
-            step = 0
+            step = forwards = 0
             if editing:  # LLaDA2.1: a block ends at a mask-free step without edits, or after max_post_steps of them
                 settled = torch.zeros_like(done)
                 post_steps = torch.zeros(batch, dtype=torch.long, device=device)
@@ -405,14 +411,15 @@ class DiffusionSampler:
                 if cfg.cache == "none":
                     query, k_end, store = (0, total), total, False
                 elif self.exact_cache:
-                    query, k_end, store = (query_floor if step == 0 else query_lo, key_end), key_end, True
-                elif step == 0:  # Fast-dLLM: refresh every position's keys / values at block start
+                    query, k_end, store = (query_floor if not forwards else query_lo, key_end), key_end, True
+                elif not forwards:  # Fast-dLLM: refresh every position's keys / values at the block's first forward
                     query, k_end, store = (0, total), total, True
                 elif cfg.cache == "dual":
                     query, k_end, store = (start, end), total, False
                 else:  # prefix: the block and everything after it are recomputed
                     query, k_end, store = (start, total), total, False
                 logits = self._logits(canvas, rows, window, query, k_end, store)
+                forwards += 1  # not `step`: a step of count 0 (Dream's schedule) runs no forward
                 if rows is None:  # compiled: every row; rows with nothing to commit stay as they are
                     rows = slice(None)
                 current = canvas[rows, window[0] : window[1]]

@@ -8,14 +8,18 @@ writes them back under the same names (transformers reverses the mapping on save
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, ClassVar
 
 import torch
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
 from transformers.core_model_loading import Concatenate, ConversionOps, WeightConverter, WeightRenaming
 
+from ...generation.configuration import UNSUPPORTED
 from ...utils.errors import FieldError
 from ..configuration_dlm import DLMConfig
+
+logger = logging.getLogger(__name__)
 
 # hf-dlm fields whose value, when no one set it, follows from others (left out of a published config.json
 # when they hold that value)
@@ -178,7 +182,8 @@ def grouped_experts() -> list[WeightConverter]:
 class FamilyModelMixin:
     """Saves in the published layout only (no hf-dlm remote code or auto_map written over the family's), and
     starts `generation_config` from the family's published sampler defaults (`generation_defaults`, a callable
-    of the config; a checkpoint's generation_config.json, loaded later by `from_pretrained`, wins)."""
+    of the config). A checkpoint's generation_config.json, loaded later by `from_pretrained`, is read by
+    `loaded_generation_config`: hf-dlm's own file wins, a published one keeps only its token ids."""
 
     generation_defaults: ClassVar = None
 
@@ -188,6 +193,35 @@ class FamilyModelMixin:
         if defaults is not None and getattr(self, "generation_config", None) is not None:
             for name, value in defaults(config).items():
                 setattr(self.generation_config, name, value)
+
+    def loaded_generation_config(self, loaded):
+        """A generation_config.json written by hf-dlm (it holds `stop_on_eos`) is used as saved, the family's
+        defaults filling only diffusion fields it lacks (an older hf-dlm). A published one was written for the
+        family's remote code, whose generate takes its sampler settings as arguments (Fast-dLLM v2's may be its
+        Qwen parent's, with repetition_penalty and a temperature): its token ids stay, the family's sampler
+        defaults replace the fields they name, and options the diffusion sampler cannot honour are reset, with a
+        warning naming them (with the sampling knobs of a greedy family)."""
+        defaults = type(self).generation_defaults
+        if defaults is None:
+            return loaded
+        written_by_hf_dlm = "stop_on_eos" in vars(loaded)
+        family = defaults(self.config)
+        if not written_by_hf_dlm:
+            off = dict(UNSUPPORTED)
+            if family.get("do_sample") is False:  # greedy: the file's sampling knobs would only fail validation
+                plain = GenerationConfig()
+                off.update({name: getattr(plain, name) for name in ("temperature", "top_p", "top_k")})
+            dropped = {name: getattr(loaded, name) for name, value in off.items()
+                       if getattr(loaded, name, None) not in (value, None)}
+            for name in dropped:
+                setattr(loaded, name, off[name])
+            if dropped:
+                logger.warning("%s: generation_config.json sets %s, which the family's sampler does not use (its "
+                               "own generate ignores them too); reset", type(self).__name__, dropped)
+        for name, value in family.items():
+            if not written_by_hf_dlm or name not in vars(loaded):
+                setattr(loaded, name, value)
+        return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         return PreTrainedModel.save_pretrained(self, save_directory, *args, **kwargs)

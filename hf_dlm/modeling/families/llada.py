@@ -62,7 +62,7 @@ class LLaDAModel(FamilyModelMixin, DLMModel):
 def llada_generation_defaults(config) -> dict:
     """LLaDA's `generate.py` as its example runs it: 128 tokens in semi-autoregressive blocks of 32, one token per
     step, low-confidence remasking, greedy."""
-    return {"max_new_tokens": 128, "steps": 128, "block_length": 32, "remasking": "low_confidence"}
+    return {"max_new_tokens": 128, "steps": 128, "block_length": 32, "remasking": "low_confidence", "do_sample": False}
 
 
 class LLaDAModelLM(FamilyModelMixin, DLMForDiffusionLM):

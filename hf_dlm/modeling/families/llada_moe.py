@@ -130,7 +130,7 @@ def block_threshold_defaults(threshold: float):
     step commits the block's masks above the threshold (at least the most confident one), earlier blocks from the
     exact block cache, greedy."""
     return lambda config: {"block_length": config.block_size, "threshold": threshold, "cache": "prefix",
-                           "remasking": "low_confidence", "align_blocks": True}
+                           "remasking": "low_confidence", "align_blocks": True, "do_sample": False}
 
 
 class LLaDA2MoeModelLM(FamilyModelMixin, DLMForDiffusionLM):

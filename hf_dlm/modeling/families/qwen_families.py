@@ -119,7 +119,7 @@ class Fast_dLLM_QwenForCausalLM(FamilyModelMixin, DLMForDiffusionLM):  # noqa: N
     # blocks from the exact block cache, greedy
     generation_defaults = staticmethod(lambda config: {
         "block_length": config.block_size, "sub_block_length": 8, "threshold": 0.95, "first_token_alone": True,
-        "align_blocks": True, "cache": "prefix", "remasking": "low_confidence"})
+        "align_blocks": True, "cache": "prefix", "remasking": "low_confidence", "do_sample": False})
 
 
 def sdar_moe_keys():

@@ -19,13 +19,14 @@ import sysconfig
 import warnings
 
 SPECIAL_TOKENS = {"pad_token": "<|pad|>", "eos_token": "<|endoftext|>", "mask_token": "<|mask|>"}
+UNK_TOKEN = "<|unk|>"  # the word-level tokenizer's stand-in for a word outside its vocabulary
 # a plain "Role: text" chat template, so `apply_chat_template` works on the quickstart model (its corpus is
 # prose, so the roles are words it has seen)
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-_CORPUS_FORMAT = 1  # bump when prose_paragraphs or the tokenizer recipe changes: invalidates the cache
+_CORPUS_FORMAT = 2  # bump when prose_paragraphs or the tokenizer recipe changes: invalidates the cache
 
 
 def stdlib_documents(max_files: int | None = None, min_chars: int = 200) -> list[str]:
@@ -81,6 +82,27 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int = 2048):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
 
 
+def train_word_tokenizer(texts: list[str], vocab_size: int = 1024):
+    """Word-level tokenizer (`tokenizers` WordLevel) wrapped as a `PreTrainedTokenizerFast`: lower-cased
+    words, numbers and single punctuation marks, the `vocab_size` commonest of `texts` (special tokens
+    included), `UNK_TOKEN` for the rest. Decoding joins tokens with spaces, then transformers' clean-up
+    re-attaches ".", ",", "?", "!" and "'s" / "n't" ("it ' s" -> "it's")."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token=UNK_TOKEN))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Split(Regex(r"[a-z]+|[0-9]+|[^a-z0-9]"), behavior="isolated"),
+    ])
+    trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS.values(), UNK_TOKEN],
+                                        show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=UNK_TOKEN, clean_up_tokenization_spaces=True,
+                                   **SPECIAL_TOKENS)
+
+
 def prose_paragraphs(doc: str, min_chars: int = 80, min_letter_share: float = 0.93) -> list[str]:
     """The running-text paragraphs of one document, each on one line.
 
@@ -120,7 +142,7 @@ def cached_prose_corpus(vocab_size: int, cache_dir: str | None = None, max_files
     """
     from transformers import AutoTokenizer
 
-    key = f"py{sys.version_info[0]}.{sys.version_info[1]}-v{vocab_size}-f{max_files}-c{_CORPUS_FORMAT}"
+    key = f"py{sys.version_info[0]}.{sys.version_info[1]}-w{vocab_size}-f{max_files}-c{_CORPUS_FORMAT}"
     directory = os.path.join(cache_dir or default_cache_dir(), "prose_corpus", key)
     ids_path = os.path.join(directory, "ids.json")
     try:
@@ -134,7 +156,7 @@ def cached_prose_corpus(vocab_size: int, cache_dir: str | None = None, max_files
     train_docs, heldout_docs = split_documents(stdlib_documents(max_files=max_files))
     train = [p for doc in train_docs for p in prose_paragraphs(doc)]
     heldout = [p for doc in heldout_docs for p in prose_paragraphs(doc)]
-    tokenizer = train_bpe_tokenizer(train, vocab_size)
+    tokenizer = train_word_tokenizer(train, vocab_size)
     tokenizer.chat_template = CHAT_TEMPLATE
     encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
     data = {"train": encode(train), "heldout": encode(heldout),

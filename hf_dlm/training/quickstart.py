@@ -16,10 +16,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..data.corpus import cached_prose_corpus, corpus_words
+from ..data.simple_english import stories_corpus
 from ..data.memory_dataset import pack_documents
 from ..diffusion.elbo import elbo_nll
 from ..diffusion.objective import MaskedDiffusionObjective
 from ..modeling import DLMConfig, DLMForDiffusionLM
+from ..utils.errors import FieldError
 
 
 @dataclass
@@ -27,18 +29,19 @@ class QuickstartConfig:
     output_dir: str = "outputs/quickstart"
     max_seconds: float = 220.0
     max_steps: int = 100_000
-    vocab_size: int = 2048  # whole-word BPE tokens: a sample decodes to words even from a small model
-    seq_len: int = 64  # a tiny model uses little context beyond a sentence; short windows = more steps
+    corpus: str = "stories"  # or "python-docs" (Python's own prose: harder, learns word frequencies only)
+    vocab_size: int = 1024  # word-level: every token a word, so even a weak model samples words
+    seq_len: int = 32  # a tiny model uses little context beyond a sentence; short windows = more steps
     batch_size: int = 32
     hidden_size: int = 128
-    num_layers: int = 4
+    num_layers: int = 2
     num_heads: int = 4
     learning_rate: float = 3e-3
     warmup_steps: int = 30
     eval_windows: int = 32  # 32 x 64 tokens x 4 mask draws: a few seconds, seeded, the same draws twice
     mc_num: int = 4
     seed: int = 0
-    prompt: str = "The for statement is used to"
+    prompt: str = "The old man"
     max_new_tokens: int = 32
     # the sample: blocks of 4, Gumbel sampling at T 0.8 among the 40 likeliest tokens (seeded); greedy
     # low-confidence decoding of a model this small repeats its likeliest token ("the the the ...")
@@ -100,12 +103,21 @@ def run_quickstart(cfg: QuickstartConfig, log=print, started_at: float | None = 
     torch.manual_seed(cfg.seed)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     log(f"{threads} thread(s) on {os.cpu_count()} cores (1-minute load average {load:.1f}; --threads to change)")
-    corpus = cached_prose_corpus(cfg.vocab_size, cfg.cache_dir, cfg.corpus_max_files)
+    if cfg.corpus == "stories":
+        corpus = stories_corpus(cfg.vocab_size)
+    elif cfg.corpus == "python-docs":
+        corpus = cached_prose_corpus(cfg.vocab_size, cfg.cache_dir, cfg.corpus_max_files)
+    else:
+        raise FieldError("corpus", f"quickstart: corpus must be 'stories' or 'python-docs', got {cfg.corpus!r}",
+                         cfg.corpus)
     tokenizer = corpus["tokenizer"]
     train = pack_documents(corpus["train_ids"], cfg.seq_len, tokenizer.eos_token_id)[0]
     heldout = pack_documents(corpus["heldout_ids"], cfg.seq_len, tokenizer.eos_token_id)[0][: cfg.eval_windows]
-    log(f"corpus ({'cached' if corpus['cached'] else 'built and cached'}): prose of Python's documentation, "
-        f"{train.numel():,} train / {heldout.numel():,} held-out tokens, vocab {len(tokenizer)}")
+    source = (f"short stories from a {len(corpus['words'])}-word grammar (built)" if cfg.corpus == "stories" else
+              f"prose of Python's documentation ({'cached' if corpus['cached'] else 'built and cached'})")
+    unknown = float((heldout == tokenizer.unk_token_id).float().mean())
+    log(f"corpus: {source}, {train.numel():,} train / {heldout.numel():,} held-out tokens; word-level vocabulary "
+        f"of {len(tokenizer)} (words, punctuation, specials; {100 * unknown:.1f}% of held-out tokens unknown)")
 
     config = DLMConfig(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=3 * cfg.hidden_size,

@@ -189,7 +189,8 @@ def stories_corpus(vocab_size: int = 1024, train_stories: int = 6000, heldout_st
     from .corpus import CHAT_TEMPLATE, corpus_words, train_word_tokenizer
 
     train, heldout = simple_stories(train_stories, seed=0), simple_stories(heldout_stories, seed=1)
-    tokenizer = train_word_tokenizer(train, vocab_size)
+    # the chat template's role words too, so a chat prompt has no unknown tokens
+    tokenizer = train_word_tokenizer(train + ["System: User: Assistant:"], vocab_size)
     tokenizer.chat_template = CHAT_TEMPLATE
     encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
     return {"tokenizer": tokenizer, "train_ids": encode(train), "heldout_ids": encode(heldout),

@@ -159,6 +159,10 @@ def test_too_short_a_run_says_so_and_exits_non_zero(tmp_path, capsys):
     assert cli_main(args) == 1
     assert "too little training to learn" in capsys.readouterr().out
     assert cli_main(args + ["--allow-undertrained"]) == 0
+    assert cli_main(args + ["--corpus", "python-docs", "--allow-undertrained"]) == 0
+    assert "corpus: prose of Python's documentation" in capsys.readouterr().out
+    assert cli_main(args + ["--corpus", "novels"]) == 2
+    assert "--corpus must be 'stories' or 'python-docs', got 'novels'" in capsys.readouterr().err
 
 
 def test_cli_lists_commands_and_rejects_unknown(capsys):

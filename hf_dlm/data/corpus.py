@@ -1,10 +1,11 @@
-"""An English corpus that ships with Python itself, and a byte-level BPE tokenizer trained on it.
+"""An English corpus that ships with Python itself, and the byte-level BPE and word-level tokenizers.
 
 Sources: the language reference topics of `pydoc_data.topics` (the text behind `help("if")`) and the
 docstrings of the standard library's source files, read with `ast` (nothing is imported or run).
-The result depends only on the Python version, so the quickstart needs no network.
+The result depends only on the Python version, so it needs no network.
 `prose_paragraphs` keeps the running text of a document (no code, tables or reST markup, lines joined)
-and `cached_prose_corpus` builds the quickstart's tokenizer and token ids once per Python version.
+and `cached_prose_corpus` builds `hf-dlm quickstart --corpus python-docs`'s word-level tokenizer and token
+ids once per Python version.
 """
 
 from __future__ import annotations
@@ -132,13 +133,14 @@ def default_cache_dir() -> str:
 
 
 def cached_prose_corpus(vocab_size: int, cache_dir: str | None = None, max_files: int | None = None) -> dict:
-    """The quickstart corpus: prose of the standard library split by document, a BPE tokenizer trained on
-    the train part, and both parts' token ids (one list per paragraph).
+    """The quickstart's python-docs corpus: prose of the standard library split by document, a word-level
+    tokenizer trained on the train part, and both parts' token ids (one list per paragraph).
 
     Reading the standard library takes ~30 s on a busy 2-core machine and training the tokenizer a few
     more, so the result is kept under `cache_dir` (default `default_cache_dir()`), keyed by Python version,
     vocabulary size, file limit and corpus format; a cache that cannot be read is rebuilt.
-    Returns {"tokenizer", "train_ids", "heldout_ids", "words" (the set of train words), "cached"}.
+    Returns {"tokenizer", "train_ids", "heldout_ids", "words" (the set of train words), "cached", "source"
+    (what the corpus is, in words)}.
     """
     from transformers import AutoTokenizer
 
@@ -150,7 +152,7 @@ def cached_prose_corpus(vocab_size: int, cache_dir: str | None = None, max_files
             data = json.load(f)
         tokenizer = AutoTokenizer.from_pretrained(directory)
         return {"tokenizer": tokenizer, "train_ids": data["train"], "heldout_ids": data["heldout"],
-                "words": set(data["words"]), "cached": True}
+                "words": set(data["words"]), "cached": True, "source": "prose of Python's documentation (cached)"}
     except (OSError, ValueError, KeyError):
         pass  # not built yet (or unreadable): build it
     train_docs, heldout_docs = split_documents(stdlib_documents(max_files=max_files))
@@ -168,7 +170,8 @@ def cached_prose_corpus(vocab_size: int, cache_dir: str | None = None, max_files
         json.dump(data, f)
     os.replace(staged, ids_path)  # written last and atomically: a half-written cache is never read
     return {"tokenizer": tokenizer, "train_ids": data["train"], "heldout_ids": data["heldout"],
-            "words": set(data["words"]), "cached": False}
+            "words": set(data["words"]), "cached": False,
+            "source": "prose of Python's documentation (built and cached)"}
 
 
 def corpus_words(text: str) -> list[str]:

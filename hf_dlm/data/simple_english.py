@@ -117,10 +117,10 @@ class _Story:
         if self.hero_kind in kinds and (self.told == 0 or rng.random() < 0.6):
             self.told += 1
             if self.told > 1 and rng.random() < 0.6:
-                plural_pronouns = [p for p in PRONOUNS[self.hero_kind] if p[1] == self.hero_plural]
-                return rng.choice(plural_pronouns)[0], self.hero_plural, self.hero_kind
-            words = self.hero[self.hero_plural] if self.told > 1 else f"{self.hero_adjective} {self.hero[self.hero_plural]}"
-            return f"the {words}", self.hero_plural, self.hero_kind
+                pronouns = [p for p in PRONOUNS[self.hero_kind] if p[1] == self.hero_plural]
+                return rng.choice(pronouns)[0], self.hero_plural, self.hero_kind
+            noun = self.hero[self.hero_plural]
+            return f"the {noun if self.told > 1 else self.hero_adjective + ' ' + noun}", self.hero_plural, self.hero_kind
         kind = rng.choice(kinds)
         words, plural = self.noun_phrase(kind, definite=True)
         return words, plural, kind
@@ -193,5 +193,6 @@ def stories_corpus(vocab_size: int = 1024, train_stories: int = 6000, heldout_st
     tokenizer = train_word_tokenizer(train + ["System: User: Assistant:"], vocab_size)
     tokenizer.chat_template = CHAT_TEMPLATE
     encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    return {"tokenizer": tokenizer, "train_ids": encode(train), "heldout_ids": encode(heldout),
-            "words": {w for story in train for w in corpus_words(story)}, "cached": False}
+    words = {w for story in train for w in corpus_words(story)}
+    return {"tokenizer": tokenizer, "train_ids": encode(train), "heldout_ids": encode(heldout), "words": words,
+            "cached": False, "source": f"short stories from a {len(words)}-word grammar (built)"}

@@ -15,7 +15,7 @@ from hf_dlm import MaskedDiffusionObjective
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", help="checkpoint folder (model + tokenizer)")
-    parser.add_argument("--prompt", default="The for statement is used to")
+    parser.add_argument("--prompt", default="The little girl")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
 
@@ -23,7 +23,7 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.path)
 
     objective = MaskedDiffusionObjective.from_model_config(model.config, preset="mdlm")
-    batch = tokenizer(["The with statement is used to wrap a block."] * 8, return_tensors="pt")
+    batch = tokenizer(["The old man walked to the market in the morning."] * 8, return_tensors="pt")
     loss, inputs = objective(model, batch["input_ids"], sample_index=torch.arange(8))  # t in 8 strata of [0, 1)
     print(f"NELBO {loss.item():.3f} nats per token ({int(inputs['masked'].sum())} of "
           f"{int(inputs['supervised'].sum())} tokens masked)")

@@ -80,10 +80,12 @@ def test_the_chat_template_of_the_quickstart_model(quickstart_model):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(quickstart_model)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What does the for statement do?"}],
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "The little girl ate an apple."}],
                                         add_generation_prompt=True)
-    text = tokenizer.decode(ids if isinstance(ids, list) else ids["input_ids"])
-    assert text.startswith("User: What does the for statement do?") and text.endswith("Assistant:")
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    # word-level and lower-cased: the roles are words of its vocabulary, not unknown tokens
+    assert tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids) == "user : the little girl ate an apple. assistant :"
 
 
 def test_dlm_trainer_snippet_with_a_plain_eval_dataset(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """Training data: tokenization into Megatron indexed files (`preprocess`), packed / blended / shuffled /
-distributed streams, HF datasets streams, SFT chat data, the collator, and the stdlib corpus.
+distributed streams, HF datasets streams, SFT chat data, the collator, the stdlib corpus and the
+quickstart's stories.
 
 Names load on first access, so importing this package imports neither `datasets` nor `pyarrow`.
 """
@@ -17,6 +18,7 @@ _LAZY = {
     "TokenWindowDataset": ".memory_dataset", "pack_documents": ".memory_dataset",
     "PreprocessConfig": ".preprocess", "PreprocessError": ".preprocess",  # `preprocess` is the module itself
     "stdlib_documents": ".corpus", "split_documents": ".corpus", "train_bpe_tokenizer": ".corpus",
+    "train_word_tokenizer": ".corpus", "simple_stories": ".simple_english",
     "register_data_builder": ".builders", "build_data": ".builders", "DATA_BUILDERS": ".builders",
 }
 

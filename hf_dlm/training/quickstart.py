@@ -1,6 +1,7 @@
-"""The main job on an embedded default: a tiny DLM trained on CPU on Python's own documentation.
+"""The main job on an embedded default: a tiny DLM trained on CPU, offline, on short English stories.
 
-prose corpus + BPE tokenizer (built once, then cached) -> packed windows -> masked-diffusion training
+stories from a small grammar (data/simple_english.py) + a word-level tokenizer -> packed windows ->
+masked-diffusion training
 (bounded by the wall clock, with a progress bar) -> held-out ELBO before and after -> `save_pretrained`
 -> reload through `AutoModelForMaskedLM` -> a sample from the low-confidence sampler.
 """
@@ -16,10 +17,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..data.corpus import cached_prose_corpus, corpus_words
+from ..data.simple_english import stories_corpus
 from ..data.memory_dataset import pack_documents
 from ..diffusion.elbo import elbo_nll
 from ..diffusion.objective import MaskedDiffusionObjective
 from ..modeling import DLMConfig, DLMForDiffusionLM
+from ..utils.errors import FieldError
 
 
 @dataclass
@@ -27,27 +30,33 @@ class QuickstartConfig:
     output_dir: str = "outputs/quickstart"
     max_seconds: float = 220.0
     max_steps: int = 100_000
-    vocab_size: int = 2048  # whole-word BPE tokens: a sample decodes to words even from a small model
-    seq_len: int = 64  # a tiny model uses little context beyond a sentence; short windows = more steps
+    corpus: str = "stories"  # or "python-docs" (Python's own prose: harder, learns word frequencies only)
+    vocab_size: int = 1024  # word-level: every token a word, so even a weak model samples words
+    # 32-token windows and 2 layers: 4x the steps of 64 and 4 in the same time, and a tiny model uses little
+    # context beyond a sentence (150 s of one thread at load ~4.5: 675 steps, held-out ELBO -51%, against 185
+    # steps, -28%, still at the word-frequency level)
+    seq_len: int = 32
     batch_size: int = 32
     hidden_size: int = 128
-    num_layers: int = 4
+    num_layers: int = 2
     num_heads: int = 4
     learning_rate: float = 3e-3
     warmup_steps: int = 30
-    eval_windows: int = 32  # 32 x 64 tokens x 4 mask draws: a few seconds, seeded, the same draws twice
+    eval_windows: int = 64  # 64 x 32 held-out tokens x 4 mask draws: a few seconds, seeded, the same draws twice
     mc_num: int = 4
     seed: int = 0
-    prompt: str = "The for statement is used to"
+    prompt: str = "The old man"
     max_new_tokens: int = 32
     # the sample: blocks of 4, Gumbel sampling at T 0.8 among the 40 likeliest tokens (seeded); greedy
-    # low-confidence decoding of a model this small repeats its likeliest token ("the the the ...")
+    # low-confidence decoding of a model this small repeats its likeliest phrases ("the woman gave the
+    # king. the old fisherman gave the young fisherman the book. the woman gave the king. ..."); T 0.3-0.5
+    # or blocks of 8-32 read no better (measured on one checkpoint, three seeds each)
     sample_block_length: int = 4
     sample_temperature: float = 0.8
     sample_top_k: int = 40
     threads: int | None = None  # None: what trains fastest on a shared machine (see choose_threads)
-    corpus_max_files: int | None = None  # read only the first N standard-library files (tests)
-    cache_dir: str | None = None  # corpus + tokenizer cache (default: $HF_DLM_CACHE or ~/.cache/hf_dlm)
+    corpus_max_files: int | None = None  # python-docs: read only the first N standard-library files (tests)
+    cache_dir: str | None = None  # python-docs corpus + tokenizer cache (default: $HF_DLM_CACHE or ~/.cache/hf_dlm)
     min_elbo_drop: float = 0.3  # below this relative drop the run counts as too short to learn
     allow_undertrained: bool = False  # exit 0 even when the run trained too little
 
@@ -95,17 +104,24 @@ def run_quickstart(cfg: QuickstartConfig, log=print, started_at: float | None = 
     from the first evaluation and a timed sampler forward). result["undertrained"] says whether the
     held-out ELBO fell by less than `cfg.min_elbo_drop`."""
     run_start = time.perf_counter() if started_at is None else started_at
+    if cfg.corpus not in ("stories", "python-docs"):
+        raise FieldError("corpus", f"--corpus must be 'stories' or 'python-docs', got {cfg.corpus!r}", cfg.corpus)
     threads = cfg.threads or choose_threads()
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     log(f"{threads} thread(s) on {os.cpu_count()} cores (1-minute load average {load:.1f}; --threads to change)")
-    corpus = cached_prose_corpus(cfg.vocab_size, cfg.cache_dir, cfg.corpus_max_files)
+    if cfg.corpus == "stories":
+        corpus = stories_corpus(cfg.vocab_size)
+    else:
+        corpus = cached_prose_corpus(cfg.vocab_size, cfg.cache_dir, cfg.corpus_max_files)
     tokenizer = corpus["tokenizer"]
     train = pack_documents(corpus["train_ids"], cfg.seq_len, tokenizer.eos_token_id)[0]
     heldout = pack_documents(corpus["heldout_ids"], cfg.seq_len, tokenizer.eos_token_id)[0][: cfg.eval_windows]
-    log(f"corpus ({'cached' if corpus['cached'] else 'built and cached'}): prose of Python's documentation, "
-        f"{train.numel():,} train / {heldout.numel():,} held-out tokens, vocab {len(tokenizer)}")
+    unknown = float((heldout == tokenizer.unk_token_id).float().mean())
+    log(f"corpus: {corpus['source']}, {train.numel():,} train / {heldout.numel():,} held-out tokens; "
+        f"word-level vocabulary of {len(tokenizer)} (words, punctuation, specials; {100 * unknown:.1f}% of "
+        "held-out tokens unknown)")
 
     config = DLMConfig(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=3 * cfg.hidden_size,
@@ -188,7 +204,8 @@ def run_quickstart(cfg: QuickstartConfig, log=print, started_at: float | None = 
     drop = 1 - after / before
     result = {
         "steps": step, "train_seconds": round(train_seconds, 1), "tokens_seen": step * cfg.batch_size * cfg.seq_len,
-        "threads": threads, "load_average": round(load, 2),
+        "threads": threads, "load_average": round(load, 2), "corpus": cfg.corpus, "vocab_size": len(tokenizer),
+        "heldout_tokens": heldout.numel(), "heldout_unknown_share": round(unknown, 4),
         "heldout_elbo_before": round(before, 4), "heldout_elbo_after": round(after, 4),
         "relative_drop": round(drop, 4), "undertrained": drop < cfg.min_elbo_drop, "checkpoint": cfg.output_dir,
         "prompt": cfg.prompt, "sample": sample,

@@ -7,26 +7,13 @@ import torch
 
 from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
 
-from tests.utils import tiny_model
+from tests.utils import counting, tiny_model
 
 
 def reference(model, prompt_ids, seed=None, **options):
     generator = None if seed is None else torch.Generator().manual_seed(seed)
     out = model.generate(torch.tensor([prompt_ids]), generator=generator, **options)
     return out[0, len(prompt_ids):].tolist()
-
-
-def counting(model):
-    """Counts the backbone's forwards (every engine forward goes through forward_window)."""
-    calls = []
-    original = model.model.forward_window
-
-    def forward_window(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    model.model.forward_window = forward_window
-    return calls
 
 
 def run_arriving(engine, requests, per_step):

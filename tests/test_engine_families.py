@@ -14,19 +14,7 @@ from hf_dlm.modeling.families import FAMILIES
 from hf_dlm.modeling.moe import expert_choice_routing
 from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
 
-from tests.utils import FAMILY_NAMES, tiny_family, tiny_model
-
-
-def counting(model):
-    calls = []
-    original = model.model.forward_window
-
-    def forward_window(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    model.model.forward_window = forward_window
-    return calls
+from tests.utils import FAMILY_NAMES, counting, tiny_family, tiny_model
 
 
 def serve_and_compare(model, options: dict, rows: int = 6, max_batch_size: int = 4, idle_steps: bool = False):

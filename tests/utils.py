@@ -511,3 +511,16 @@ def sft_trainer(output_dir, rows: int = 16, model_seed: int = 0, tokenizer=None,
 
 def logged(trainer, key: str, after_step: int = 0) -> list:
     return [log[key] for log in trainer.state.log_history if key in log and log.get("step", 0) > after_step]
+
+
+def counting(model):
+    """Counts the backbone's forwards (every engine forward goes through forward_window)."""
+    calls = []
+    original = model.model.forward_window
+
+    def forward_window(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    model.model.forward_window = forward_window
+    return calls

@@ -44,6 +44,12 @@ class RowSchedule:
         return self.blocks[self.block][:2]
 
     @property
+    def width(self) -> int:
+        """The current block's length (an aligned partial block is shorter than block_length)."""
+        start, end = self.window
+        return end - start
+
+    @property
     def offset(self) -> int:
         """The block's first slot counted from its aligned start (`block_candidates`)."""
         return self.blocks[self.block][2]

@@ -151,12 +151,20 @@ def _block_phase_groups(config: DLMGenerationConfig, input_ids, attention_mask) 
     the row indices of each group of rows whose aligned blocks fall on the same canvas slots."""
     if not config.align_blocks or attention_mask is None:
         return [None]
-    block_length = config.block_length or config.max_new_tokens
-    phase = (input_ids.shape[1] - attention_mask.sum(-1)) % block_length
+    phase = _pad_phases(attention_mask, input_ids.shape[1], _block_length(config))
     values = phase.unique()
     if values.numel() == 1:
         return [None]
     return [(phase == value).nonzero().squeeze(1) for value in values]
+
+
+def _block_length(config: DLMGenerationConfig) -> int:
+    return config.block_length or config.max_new_tokens or 64
+
+
+def _pad_phases(attention_mask: torch.Tensor, prompt_len: int, block_length: int) -> torch.Tensor:
+    """(B,) each row's left padding mod block_length: rows of one phase have their aligned blocks on the same slots."""
+    return (prompt_len - attention_mask.sum(-1)) % block_length
 
 
 def _known_generate_kwargs() -> set:
@@ -304,15 +312,12 @@ class DiffusionSampler:
     def run(self, input_ids, attention_mask, streamer, callback):
         cfg, mask_id = self.config, self.mask_id
         batch, prompt_len = input_ids.shape
-        new_tokens = cfg.max_new_tokens or 64
-        block_length = cfg.block_length or new_tokens
+        new_tokens, block_length = cfg.max_new_tokens or 64, _block_length(cfg)
         if streamer is not None and batch != 1:
             raise ValueError("generate(streamer=...) streams one sequence; pass a batch of 1 or use callback")
         phase = None
         if cfg.align_blocks:  # every row's left padding must put block boundaries on the same canvas slots
-            pads = prompt_len if attention_mask is None else prompt_len - attention_mask.sum(-1)
-            phases = set((torch.as_tensor(pads).reshape(-1) % block_length).tolist()) if attention_mask is not None \
-                else {0}
+            phases = {0} if attention_mask is None else set(_pad_phases(attention_mask, prompt_len, block_length).tolist())
             if len(phases) > 1:
                 raise ValueError("align_blocks: the rows' padding puts their block boundaries on different slots; "
                                  "generate() decodes such rows in groups (DiffusionSampler.run takes one group)")

@@ -33,7 +33,7 @@ from ..generation.configuration import DLMGenerationConfig
 from ..generation.commit_rules import CommitSettings, block_candidates, decide_step
 from ..generation.compiled_step import COMPILE_CHOICES, MAX_COMPILED_GRAPHS, StepGraphs, resolve_compile
 from ..generation.row_schedule import RowSchedule
-from ..generation.sampling import finished_rows
+from ..generation.sampling import block_bounds, finished_rows
 from ..generation.slot_cache import RaggedStep, SlotStorage, first_ragged_forward, ragged_forward
 from ..utils.errors import FieldError
 
@@ -237,9 +237,9 @@ class ContinuousBatchingEngine:
         `max_waiting`, EngineStoppedError while shutting down."""
         for request in requests:
             params = request.params
-            length = len(request.prompt_ids) + params.max_new_tokens
-            if params.align_blocks:  # the canvas runs on to the end of the last aligned block
-                length += -length % params.block_length
+            # aligned blocks: the canvas runs on to the end of the last block (the row's schedule, `block_bounds`)
+            length = block_bounds(len(request.prompt_ids), params.max_new_tokens, params.block_length,
+                                  0 if params.align_blocks else None)[1]
             if not request.prompt_ids:
                 raise FieldError("prompt", "the prompt is empty", request.prompt_ids)
             if self.max_length is not None and length > self.max_length:
@@ -343,8 +343,7 @@ class ContinuousBatchingEngine:
         entries += [(row, row.uncond_lane, True) for row in rows if row.uncond_lane is not None]
         spans = [row.schedule.query_span() for row, _, _ in entries]
         compiled = self.compiled is not None and bool(self.storage.keys)  # the first forward allocates, eagerly
-        heads = [(row.schedule.window[0] - self.shift, row.schedule.window[1] - row.schedule.window[0])
-                 for row, _, _ in entries]
+        heads = [(row.schedule.window[0] - self.shift, row.schedule.width) for row, _, _ in entries]
         step = RaggedStep(self.storage, [lane for _, lane, _ in entries], [s for s, _ in spans],
                           [e - s for s, e in spans], [row.schedule.length for row, _, _ in entries],
                           self.attention_mode, self.block_size, buckets=compiled, heads=heads,
@@ -413,11 +412,11 @@ class ContinuousBatchingEngine:
     def _commit_group(self, group: list[_Row], logits: torch.Tensor, settings: CommitSettings) -> torch.Tensor:
         """-> (g, 3) bool: has masks after the step, had masks before it, edited."""
         # the group's own width: a seeded row draws its noise for its block only, as generate alone does
-        width = max(row.schedule.window[1] - row.schedule.window[0] for row in group)  # aligned: a partial block
+        width = max(row.schedule.width for row in group)  # aligned: a partial block is narrower
         columns = torch.arange(width, device=self.device)
         budgets = [row.schedule.step_budget or 0 for row in group]
         starts, lengths, lanes, budget, offsets = torch.tensor(  # one upload
-            [[row.schedule.window[0] for row in group], [row.schedule.window[1] - row.schedule.window[0] for row in group],
+            [[row.schedule.window[0] for row in group], [row.schedule.width for row in group],
              [row.lane for row in group], budgets, [row.schedule.offset for row in group]]).to(self.device)
         valid = columns.unsqueeze(0) < lengths.unsqueeze(1)  # (g, W): a shorter block's columns beyond it
         cols = torch.where(valid, starts.unsqueeze(1) + columns, self.storage.trash)

@@ -6,27 +6,20 @@ a checkpoint saved under FSDP2 x CP resumes under FSDP2 x TP exactly like the un
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from hf_dlm import DLMForDiffusionLM
 from tests.utils import tiny_model
-from tests.utils import flat_params, free_port, make_args, make_trainer
+from tests.utils import flat_params, make_args, make_trainer, torchrun
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def torchrun_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh_trainer")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
-               os.path.join(ROOT, "tests", "parallel_trainer_worker.py"), str(out)]
-    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    torchrun(os.path.join("tests", "parallel_trainer_worker.py"), str(out), nproc=4)
     return torch.load(out / "results.pt"), out
 
 

@@ -6,8 +6,6 @@ uninterrupted run."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,9 +14,8 @@ import yaml
 from hf_dlm import DLMForDiffusionLM
 from hf_dlm.training.runner import build_trainer, load_config
 from hf_dlm.training.training_args import DLMTrainingArguments
-from tests.utils import MASK_ID, VOCAB, free_port
+from tests.utils import MASK_ID, VOCAB, torchrun
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = {
     "model": {"attn_implementation": "sdpa",
               "config": dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -56,12 +53,8 @@ def pipeline_run(request, tmp_path_factory):
     processes, options = LAYOUTS[request.param]
     folder = tmp_path_factory.mktemp(request.param)
     config = _write_config(folder / "pp.yaml", output_dir=str(folder / "run"), **options)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-               str(free_port()), os.path.join(ROOT, "tests", "pipeline_trainer_worker.py"), config,
-               str(folder / "out.json")]
-    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    torchrun(os.path.join("tests", "pipeline_trainer_worker.py"), config, str(folder / "out.json"), nproc=processes,
+             timeout=300)
     return folder, json.loads((folder / "out.json").read_text())
 
 
@@ -115,12 +108,8 @@ def test_moe_pp2_trains_like_one_process(tmp_path):
         config["training"].update(training, output_dir=str(tmp_path / name))
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
         configs[name] = str(tmp_path / f"{name}.yaml")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), os.path.join(ROOT, "tests", "pipeline_trainer_worker.py"), configs["pp2"],
-               str(tmp_path / "out.json"), "--no-resume"]
-    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    torchrun(os.path.join("tests", "pipeline_trainer_worker.py"), configs["pp2"], str(tmp_path / "out.json"),
+             "--no-resume", nproc=2, timeout=300)
     pp_logs = json.loads((tmp_path / "out.json").read_text())["logs"]
     _, logs = _train(configs["pp1"])
     assert [log["step"] for log in pp_logs] == [log["step"] for log in logs] == [1, 2, 3, 4]

@@ -6,8 +6,6 @@ With pp_size=2 on 2 processes it trains like one process and its final save carr
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,19 +13,14 @@ import torch
 pytest.importorskip("trl")
 
 from hf_dlm import DLMForDiffusionLM  # noqa: E402
-from tests.utils import flat_params, free_port, logged, sft_trainer  # noqa: E402
+from tests.utils import flat_params, logged, sft_trainer, torchrun  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def torchrun_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft_mesh")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
-               os.path.join(ROOT, "tests", "sft_parallel_worker.py"), str(out)]
-    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    torchrun(os.path.join("tests", "sft_parallel_worker.py"), str(out), nproc=4, timeout=900)
     return torch.load(out / "results.pt"), out
 
 
@@ -84,11 +77,7 @@ def test_sft_resume_across_layouts_equals_the_uninterrupted_run(torchrun_results
 def pipeline_results(tmp_path_factory):
     """DLMSFTTrainer with pp_size=2 under torchrun on 2 gloo processes (tests/sft_pipeline_worker.py)."""
     out = tmp_path_factory.mktemp("sft_pp")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-               os.path.join(ROOT, "tests", "sft_pipeline_worker.py"), str(out)]
-    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    torchrun(os.path.join("tests", "sft_pipeline_worker.py"), str(out), nproc=2)
     return json.loads((out / "logs.json").read_text()), out / "pp"
 
 

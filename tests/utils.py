@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -524,3 +526,19 @@ def counting(model):
 
     model.model.forward_window = forward_window
     return calls
+
+
+TESTS_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, check: bool = True):
+    """`python -m torch.distributed.run` of `script` (a path under the repository root) on gloo CPU processes of one
+    thread each -> the CompletedProcess; `check`: assert it exited 0, with its output's tail as the message."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS_ROOT, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               str(free_port()), os.path.join(TESTS_ROOT, script), *args]
+    result = subprocess.run(command, env=env, cwd=TESTS_ROOT, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result

@@ -26,7 +26,10 @@ def run(args, prog: str = "hf-dlm train") -> int:
     try:
         metrics = run_pretraining(args.config, args.overrides)
     except ConfigError as error:
-        print(f"{prog}: {error}", file=sys.stderr)
+        # one write with its newline: under a launch every rank prints this, and print's two writes
+        # (text, then "\n") let the ranks' lines run together on a shared stderr pipe
+        sys.stderr.write(f"{prog}: {error}\n")
+        sys.stderr.flush()
         return 2
     if args.json:
         print(json.dumps(metrics))

@@ -202,3 +202,35 @@ def test_float8_decoding_takes_the_decoder_projections_and_refuses_without_a_flo
         pytest.importorskip("torchao")
         with pytest.raises(RuntimeError, match="compute capability >= 8.9"):
             quantize_float8_for_decoding(model)
+
+
+def test_bucketed_step_whose_filler_rows_meet_an_exactly_bucketed_token_count_equals_the_plain_step():
+    # 17 rows are bucketed to 18 (one filler row) while their 32 tokens are already a bucket size (no padding
+    # token): the filler row's LM-head index must still point at a real packed token (an H100 run of the compiled
+    # engine with staggered arrivals hit a device-side assert here)
+    from hf_dlm.generation.slot_cache import RaggedStep, SlotStorage, first_ragged_forward, ragged_forward
+
+    model = tiny_model("sdpa")
+    rows, length = 17, 16
+    storage = SlotStorage(torch.device("cpu"), model.config.mask_token_id)
+    storage.reserve(rows + 1, length)
+    storage.canvas[:rows, :length] = torch.randint(0, 90, (rows, length), generator=torch.Generator().manual_seed(0))
+
+    def forward(starts, lengths, buckets, first=False):
+        step = RaggedStep(storage, list(range(rows)), starts, lengths, [length] * rows, buckets=buckets,
+                          heads=list(zip(starts, lengths)))
+        tensors = dict(step.tensors)
+        tensors["input_ids"] = storage.canvas[tensors["token_lane"], tensors["token_slot"]].unsqueeze(0)
+        if first:
+            return first_ragged_forward(model, storage, **tensors), step
+        return ragged_forward(model, **tensors, keys=[storage.keys[i] for i in range(len(storage.keys))],
+                              values=[storage.values[i] for i in range(len(storage.values))]), step
+
+    with torch.no_grad():
+        forward([0] * rows, [length] * rows, buckets=False, first=True)  # every row's keys / values stored
+        starts, lengths = [0] + [5] * (rows - 1), [length] + [1] * (rows - 1)
+        plain, _ = forward(starts, lengths, buckets=False)
+        bucketed, step = forward(starts, lengths, buckets=True)
+    assert (step.rows, step.num_tokens) == (18, 32)
+    assert int(step.tensors["head_index"].max()) < step.num_tokens
+    torch.testing.assert_close(bucketed[:rows, :length], plain[:rows, :length], rtol=1e-5, atol=1e-5)

@@ -107,7 +107,9 @@ class RaggedStep:
                  "lanes": torch.tensor(lanes), "key_lengths": torch.tensor(key_lengths + [1] * filler),
                  "starts": torch.tensor(starts)}
         if heads is not None:
-            first = torch.tensor([h[0] for h in heads] + [0] * filler) - torch.tensor(starts) + offsets
+            # filler rows read packed token 0: their offset is `total`, one past the last token when no padding
+            first = torch.cat([torch.tensor([h[0] for h in heads]) - torch.tensor(starts[:b]) + offsets[:b],
+                               torch.zeros(filler, dtype=torch.long)])
             count = torch.tensor([h[1] for h in heads] + [1] * filler)
             columns = torch.arange(int(count.max()))
             parts["head_index"] = first.unsqueeze(1) + torch.minimum(columns.unsqueeze(0), count.unsqueeze(1) - 1)

@@ -38,6 +38,8 @@ def parse_args():
     p.add_argument("--parts", default="core,float8,http,eval", help="comma-separated: core, float8, http, eval")
     p.add_argument("--shape", default="llada-8b", choices=("llada-8b", "qwen3-1.7b"))
     p.add_argument("--batches", default="16,64")
+    p.add_argument("--rules", default="one,threshold", help="comma-separated core settings: one (one token per step), "
+                   "threshold (threshold 0.9)")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--arrivals", type=int, default=64)
     p.add_argument("--arrival-every", type=int, default=8, help="engine steps between two arrivals")
@@ -294,8 +296,12 @@ def core_benchmark(model, args, report):
                                       compile=compile_choice, max_length=canvas_length(args))
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab - 3, (max(batches + [args.arrivals]), args.prompt_tokens), generator=generator)
-    for label, rule in (("one token per step", dict(steps=args.new_tokens)),
-                        ("threshold 0.9", dict(steps=args.new_tokens, threshold=0.9))):
+    rules = {"one": ("one token per step", dict(steps=args.new_tokens)),
+             "threshold": ("threshold 0.9", dict(steps=args.new_tokens, threshold=0.9))}
+    unknown = set(args.rules.split(",")) - set(rules)
+    if unknown:
+        raise SystemExit(f"--rules: unknown {sorted(unknown)} (choose from {sorted(rules)})")
+    for label, rule in (rules[name] for name in args.rules.split(",")):
         options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, cache="dual",
                        temperature=0.0, stop_on_eos=False, **rule)
 

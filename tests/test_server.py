@@ -352,7 +352,8 @@ def test_serve_cli_options_reach_the_server(tmp_path, monkeypatch):
     parser = argparse.ArgumentParser()
     serve_command.add_arguments(parser)
     args = parser.parse_args(["--model", str(tmp_path / "model"), "--device", "cpu", "--served-model-name", "a", "b",
-                              "--chat-template", str(tmp_path / "template.jinja"), "--drain-timeout", "2.5"])
+                              "--chat-template", str(tmp_path / "template.jinja"), "--drain-timeout", "2.5",
+                              "--compile", "eager", "--max-length", "48"])
     served = []
     monkeypatch.setattr(app_module, "serve", lambda app, **options: served.append((app, options)))
     assert serve_command.run(args) == 0
@@ -360,3 +361,5 @@ def test_serve_cli_options_reach_the_server(tmp_path, monkeypatch):
     settings = app.state.server.settings
     assert settings.model_names == ("a", "b") and settings.drain_timeout == 2.5
     assert settings.chat_template == SERVING_CHAT_TEMPLATE and options["port"] == 8000
+    engine = app.state.server.engine
+    assert engine.compile_choice == "eager" and engine.max_length == 48

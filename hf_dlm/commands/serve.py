@@ -1,6 +1,7 @@
 """`hf-dlm serve`: an OpenAI-compatible HTTP server with continuous batching.
 
     hf-dlm serve --model PATH --host 127.0.0.1 --port 8000 --max-batch-size 32
+    hf-dlm serve --model PATH --compile true --max-length 2048   # GPU: the compiled, CUDA-graph engine step
 
 Then any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="...")`, with the
 diffusion fields (steps, block_length, threshold, cache) in `extra_body`. SIGTERM / Ctrl-C drains:
@@ -10,6 +11,8 @@ open requests finish, new connections are refused.
 from __future__ import annotations
 
 import os
+
+from ..generation.compiled_step import COMPILE_CHOICES
 
 
 def add_arguments(parser):
@@ -25,6 +28,13 @@ def add_arguments(parser):
     parser.add_argument("--peft", default=None, help="a LoRA adapter folder to load on the model (merged)")
     parser.add_argument("--max-batch-size", type=int, default=32, help="most sequences in one forward pass")
     parser.add_argument("--max-queue", type=int, default=256, help="most waiting sequences; beyond: 429")
+    parser.add_argument("--compile", default=None, choices=("true", *COMPILE_CHOICES),
+                        help="the engine step through torch.compile (true: Inductor, on CUDA with CUDA graphs per "
+                             "bucketed shape; or a mode / backend as DLMGenerationConfig.compile); default: eager")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="longest canvas (prompt + max_tokens) the engine takes; with --compile on CUDA its "
+                             "slot storage is preallocated at this length (default: the model's "
+                             "max_position_embeddings)")
     parser.add_argument("--max-prompt-tokens", type=int, default=4096, help="longer prompts get 400")
     parser.add_argument("--max-output-tokens", type=int, default=1024, help="larger max_tokens gets 400")
     parser.add_argument("--default-max-tokens", type=int, default=64, help="max_tokens when a request has none")
@@ -49,7 +59,9 @@ def run(args) -> int:
 
     model, tokenizer = load_model(args.model, args.device, args.dtype, args.peft)
     engine = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=args.max_queue,
-                                      eos_token_id=tokenizer.eos_token_id)
+                                      eos_token_id=tokenizer.eos_token_id,
+                                      compile=True if args.compile == "true" else args.compile,
+                                      max_length=args.max_length)
     names = args.served_model_name or [args.model]
     chat_template = None
     if args.chat_template:

@@ -110,16 +110,21 @@ def test_an_output_dir_holding_checkpoints_is_refused_before_the_data(trained, t
     assert "training.resume_from_checkpoint:" in err and "holds no checkpoint" in err
 
 
-def test_every_rank_of_a_launch_refuses_in_one_line_and_none_hangs(trained, tmp_path):
-    """torchrun, 2 gloo ranks, an output_dir that already holds checkpoints: each rank prints the refusal and
-    exits 2 (before, rank 0 refused and rank 1 blocked in a collective until gloo timed out)."""
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_every_rank_of_a_launch_refuses_in_one_line_and_none_hangs(trained, tmp_path, launcher):
+    """torchrun or `accelerate launch --cpu`, 2 gloo ranks, an output_dir that already holds checkpoints: each rank
+    prints the refusal and exits 2 (before, rank 0 refused and rank 1 blocked in a collective until gloo timed
+    out)."""
     from tests.utils import free_port
 
     path = write_config(tmp_path, trained)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), os.path.join(ROOT, "examples", "pretrain.py"), "--config", path],
-                         capture_output=True, text=True, env=env, timeout=240)
+    launch = {"torchrun": ["torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())],
+              "accelerate": ["accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+                             "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                             str(free_port())]}[launcher]
+    run = subprocess.run([sys.executable, "-m", *launch, os.path.join(ROOT, "examples", "pretrain.py"), "--config",
+                          path], capture_output=True, text=True, env=env, timeout=240)
     assert run.returncode != 0
     refusals = [line for line in run.stderr.splitlines() if "already holds checkpoint-2" in line]
     assert len(refusals) == 2, run.stderr[-3000:]

@@ -15,7 +15,9 @@ pytest.importorskip("trl")
 from hf_dlm import DLMForDiffusionLM  # noqa: E402
 from tests.utils import flat_params, logged, sft_trainer, torchrun  # noqa: E402
 
-
+# parameters after 4 AdamW steps at learning rate 1e-2: Adam divides by sqrt(v), so the gradients' reduction-order
+# differences (1e-6) grow to ~6e-5 on some CPUs where a gradient is near zero; a wrong layout moves them by ~1e-2
+PARAMS_ATOL = 2e-4
 
 @pytest.fixture(scope="module")
 def torchrun_results(tmp_path_factory):
@@ -52,8 +54,8 @@ def test_sft_layout_trains_like_one_process(torchrun_results, single_process, la
         assert logged_stats.keys() == expected.keys() and "masked_fraction" in logged_stats
         torch.testing.assert_close(torch.tensor(list(logged_stats.values())), torch.tensor(list(expected.values())),
                                    rtol=1e-4, atol=1e-5)
-    if steps == 4:  # Adam divides by sqrt(v): reduction-order differences of the gradients grow a little
-        torch.testing.assert_close(run["params"], single_process["params"], rtol=0, atol=5e-5)
+    if steps == 4:
+        torch.testing.assert_close(run["params"], single_process["params"], rtol=0, atol=PARAMS_ATOL)
 
 
 def test_sft_resume_across_layouts_equals_the_uninterrupted_run(torchrun_results, single_process):
@@ -62,7 +64,7 @@ def test_sft_resume_across_layouts_equals_the_uninterrupted_run(torchrun_results
     assert len(resumed["losses"]) == 2  # steps 3 and 4
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(single_process["losses"][2:]),
                                rtol=0, atol=1e-5)
-    torch.testing.assert_close(resumed["params"], single_process["params"], rtol=0, atol=5e-5)
+    torch.testing.assert_close(resumed["params"], single_process["params"], rtol=0, atol=PARAMS_ATOL)
     checkpoint = out / "split" / "checkpoint-2"
     assert (checkpoint / "dcp").is_dir() and not (out / "split" / "_checkpoint-staging").exists()
     # the mesh checkpoint into one process (no mesh): the same steps 3 and 4
@@ -70,7 +72,7 @@ def test_sft_resume_across_layouts_equals_the_uninterrupted_run(torchrun_results
     single.train(resume_from_checkpoint=str(checkpoint))
     torch.testing.assert_close(torch.tensor(logged(single, "loss", after_step=2)),
                                torch.tensor(single_process["losses"][2:]), rtol=0, atol=1e-5)
-    torch.testing.assert_close(flat_params(single.model), single_process["params"], rtol=0, atol=5e-5)
+    torch.testing.assert_close(flat_params(single.model), single_process["params"], rtol=0, atol=PARAMS_ATOL)
 
 
 @pytest.fixture(scope="module")

@@ -275,6 +275,28 @@ def test_generate_until_runs_the_decoding_core_with_its_commit_rules(setup, rule
         make_lm(setup, editing_threshold="0.5").generate_until([_Request(context, {})], disable_tqdm=True)
 
 
+def test_generate_until_sizes_the_engine_for_its_longest_row(setup, monkeypatch):
+    # a compiled engine on CUDA preallocates max_batch_size x max_length slots: the harness asks for the longest
+    # row's canvas (prompt + max_gen_toks rounded up to blocks), not the model's positions
+    from hf_dlm.evaluation import lm_eval_model
+
+    _, model, tokenizer = setup
+    built = []
+
+    class Recording(lm_eval_model.ContinuousBatchingEngine):
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs["max_length"])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval_model, "ContinuousBatchingEngine", Recording)
+    lm = make_lm(setup, max_gen_toks=8, block_length=4)
+    contexts = ["the quick brown", "the quick brown fox jumps over"]
+    lm.generate_until([_Request(c, {"max_gen_toks": 6}) for c in contexts], disable_tqdm=True)
+    longest = max(len(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in contexts)
+    assert built == [longest + 8]  # 6 new tokens in whole blocks of 4
+    assert built[0] < model.config.max_position_embeddings
+
+
 def test_causal_scores_by_hand():
     """AR log-likelihood of the continuation: token j is scored by the logits at j - 1, prompt and padding
     not at all (a transcription over the full forward; the same call, so exact up to float64 summation)."""

@@ -146,8 +146,6 @@ class DLMEvalHarness(LM):
 
     # ---- generation ------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        engine = ContinuousBatchingEngine(self.model, max_batch_size=self.max_batch_size, max_waiting=len(requests),
-                                          eos_token_id=self.tokenizer.eos_token_id, compile=self.compile)
         jobs = []
         for request in requests:
             context, gen_kwargs = request.args
@@ -161,7 +159,8 @@ class DLMEvalHarness(LM):
             block_length = min(self.block_length, max_tokens)
             canvas = -(-max_tokens // block_length) * block_length
             ids = self._encode(context)[-(self.max_length - canvas) :] or [self.prefix_token_id]
-            params = engine.sampling_params(
+            params = ContinuousBatchingEngine.sampling_params_for(
+                self.model,
                 max_new_tokens=canvas, block_length=block_length,
                 steps=self.steps or canvas, temperature=temperature, top_p=gen_kwargs.pop("top_p", None),
                 top_k=gen_kwargs.pop("top_k", None), threshold=self.threshold, remasking=self.remasking,
@@ -175,6 +174,13 @@ class DLMEvalHarness(LM):
                 return decode_answer(self.tokenizer, generated, engine.eos_ids, until, max_tokens)[1] is not None
 
             jobs.append((GenerationRequest(ids, params, stop_check=stop_check), until, max_tokens))
+        # the engine's storage sized for the longest row, not the model's positions: compiled on CUDA it is
+        # preallocated for max_batch_size lanes of max_length slots
+        longest = max((ContinuousBatchingEngine.canvas_length(len(job[0].prompt_ids), job[0].params) for job in jobs),
+                      default=1)
+        engine = ContinuousBatchingEngine(self.model, max_batch_size=self.max_batch_size, max_waiting=len(requests),
+                                          eos_token_id=self.tokenizer.eos_token_id, compile=self.compile,
+                                          max_length=longest)
         engine.submit([job[0] for job in jobs])
         with tqdm(total=len(jobs), desc="generate_until", disable=disable_tqdm) as bar, torch.no_grad():
             while engine.has_work():

@@ -226,9 +226,22 @@ class ContinuousBatchingEngine:
                       "generated_tokens": 0, "first_block_seconds_sum": 0.0, "first_block_count": 0}
 
     def sampling_params(self, **overrides) -> SamplingParams:
-        implementation = getattr(self.model.config, "_attn_implementation", None) or "eager"
-        return SamplingParams.from_generation_config(getattr(self.model, "generation_config", None),
-                                                     self.attention_mode, implementation, **overrides)
+        return self.sampling_params_for(self.model, **overrides)
+
+    @staticmethod
+    def sampling_params_for(model, **overrides) -> SamplingParams:
+        """`SamplingParams` of `model`'s generation config with `overrides`, before an engine exists (a caller
+        that sizes the engine's `max_length` from its requests)."""
+        implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+        return SamplingParams.from_generation_config(getattr(model, "generation_config", None),
+                                                     getattr(model.config, "attention_mode", "bidirectional"),
+                                                     implementation, **overrides)
+
+    @staticmethod
+    def canvas_length(prompt_length: int, params: SamplingParams) -> int:
+        """Slots a row takes: prompt + max_new_tokens, with aligned blocks to the end of its last block."""
+        return block_bounds(prompt_length, params.max_new_tokens, params.block_length,
+                            0 if params.align_blocks else None)[1]
 
     # ---- admission ----------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest]):
@@ -237,9 +250,7 @@ class ContinuousBatchingEngine:
         `max_waiting`, EngineStoppedError while shutting down."""
         for request in requests:
             params = request.params
-            # aligned blocks: the canvas runs on to the end of the last block (the row's schedule, `block_bounds`)
-            length = block_bounds(len(request.prompt_ids), params.max_new_tokens, params.block_length,
-                                  0 if params.align_blocks else None)[1]
+            length = self.canvas_length(len(request.prompt_ids), params)
             if not request.prompt_ids:
                 raise FieldError("prompt", "the prompt is empty", request.prompt_ids)
             if self.max_length is not None and length > self.max_length:

@@ -14,6 +14,7 @@ Shape (inclusionAI/LLaDA2.0-mini config.json): hidden 2048, 20 layers (the first
 expert bias, routed_scaling_factor 2.5), one shared expert, vocab 157184: 16.3B parameters, 1.4B active.
 
     python benchmarks/llada2_mini.py           # H200: prints a markdown table, writes $OUT/llada2_mini.json
+    python benchmarks/llada2_mini.py --compile # training steps with per-layer compile (the MoE / dense ratio compiled)
     python benchmarks/llada2_mini.py --tiny    # CPU-sized run of the script itself
 """
 
@@ -32,6 +33,7 @@ import torch  # noqa: E402
 
 from hf_dlm.modeling.families import LLaDA2MoeConfig, LLaDA2MoeModelLM  # noqa: E402
 from hf_dlm.modeling.moe import active_parameter_count  # noqa: E402
+from hf_dlm.parallel.parallelize import apply_compile  # noqa: E402
 
 MINI = dict(vocab_size=157184, hidden_size=2048, intermediate_size=5120, moe_intermediate_size=512,
             num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=256,
@@ -140,6 +142,8 @@ def main():
     parser.add_argument("--attn", default="sdpa", help="attention implementation (sdpa: training forwards take "
                         "FlexAttention with the block-causal BlockMask on CUDA, the decoding windows a dense mask)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["train", "dense", "generate"])
+    parser.add_argument("--compile", action="store_true", help="training steps with each decoder layer compiled "
+                        "(`apply_compile`, as DLMTrainingArguments.compile_blocks; --tiny: Dynamo tracing only)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     shape = TINY if args.tiny else MINI
@@ -152,7 +156,11 @@ def main():
               "shape": "tiny" if args.tiny else "LLaDA2.0-mini", "seq": seq, "mbs": mbs, "attn": attn,
               "published_tokens_per_s": PUBLISHED}
     model = build(shape, dense=False, device=device, attn=attn)
+    compile_options = ({"backend": "eager"} if args.tiny else {}) if args.compile else None
+    report["compile"] = compile_options is not None
     if "train" not in args.skip:
+        if compile_options is not None:
+            apply_compile(model, compile_options)
         report["train_moe"] = train_step_time(model, seq, mbs, args.warmup, args.steps, device)
         print(json.dumps({"train_moe": report["train_moe"]}), flush=True)
     if "generate" not in args.skip:
@@ -164,6 +172,8 @@ def main():
         torch.cuda.empty_cache()
     if "dense" not in args.skip:
         dense = build(shape, dense=True, device=device, attn=attn)
+        if compile_options is not None:
+            apply_compile(dense, compile_options)
         report["train_dense_equal_active"] = train_step_time(dense, seq, mbs, args.warmup, args.steps, device)
         print(json.dumps({"train_dense_equal_active": report["train_dense_equal_active"]}), flush=True)
         if "train_moe" in report:

@@ -20,10 +20,14 @@ def test_every_benchmark_has_a_tiny_mode():
     assert not missing, f"benchmarks without --tiny: {missing}"
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_tiny_run(name, tmp_path):
+# options whose code path the plain --tiny run does not take
+EXTRA_RUNS = [("llada2_mini.py", "--compile")]
+
+
+@pytest.mark.parametrize("name,options", [(name, ()) for name in SCRIPTS] + [(n, (o,)) for n, o in EXTRA_RUNS])
+def test_tiny_run(name, options, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "OUT": str(tmp_path)}
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), "--tiny"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), "--tiny", *options], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, f"{name} --tiny exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"

@@ -5,7 +5,7 @@ block-end streaming."""
 import pytest
 import torch
 
-from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
+from hf_dlm.serving.engine import ContinuousBatchingEngine, EngineStoppedError, GenerationRequest, QueueFullError
 
 from tests.utils import counting, tiny_model
 
@@ -138,6 +138,67 @@ def test_cancel_frees_the_slot_at_the_next_step_and_blocks_stream_as_they_end():
         assert [len(block) for block in streamed[req.request_id]] == [4, 4, 4]  # one message per block end
         assert sum(streamed[req.request_id], []) == req.generated == reference(model, ids, **options)
     assert first.request_id not in streamed or len(streamed[first.request_id]) <= 1
+
+
+def test_the_queue_takes_exactly_max_waiting_requests_all_or_none_and_counts_each_row_once():
+    model = tiny_model("sdpa", eos_token_id=5)
+    engine = ContinuousBatchingEngine(model, max_batch_size=2, max_waiting=2)
+    options = dict(max_new_tokens=8, block_length=4, steps=8, stop_on_eos=False)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
+    requests = [GenerationRequest(ids, engine.sampling_params(**options)) for ids in prompts]
+    with pytest.raises(QueueFullError):  # three at once: none of them queued
+        engine.submit(requests[:3])
+    assert engine.num_waiting == 0
+    engine.submit(requests[:2])  # exactly max_waiting
+    with pytest.raises(QueueFullError):
+        engine.submit(requests[2:3])
+    assert engine.num_waiting == 2
+    engine.step()  # both admitted (two lanes): the queue has room for two again
+    assert engine.num_waiting == 0 and engine.num_running == 2
+    engine.submit(requests[2:])
+    engine.run_until_idle()
+    for ids, request in zip(prompts, requests):
+        expected = reference(model, ids, **options)
+        assert request.generated == expected  # the whole canvas (stop_on_eos off): "stop" when it holds an EOS
+        assert request.finish_reason == ("stop" if 5 in expected else "length")
+    stats = engine.stats  # two blocks per row; the first of them timed once
+    assert (stats["requests_admitted"], stats["requests_finished"], stats["generated_tokens"]) == (4, 4, 32)
+    assert stats["first_block_count"] == 4 and stats["requests_failed"] == 0
+
+
+def test_shutdown_finishes_every_queued_and_running_row_before_the_loop_stops():
+    model = tiny_model("sdpa", eos_token_id=5)
+    engine = ContinuousBatchingEngine(model, max_batch_size=2)
+    options = dict(max_new_tokens=8, block_length=4, steps=8, stop_on_eos=False)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]  # three rows on two lanes: one waits for a lane
+    requests = [GenerationRequest(ids, engine.sampling_params(**options)) for ids in prompts]
+    engine.submit(requests)
+    with engine.lock:  # the loop first looks at its work after the shutdown was asked for
+        engine.start()
+        engine.shutdown(timeout=0)
+    engine.thread.join(60)
+    assert not engine.thread.is_alive() and not engine.has_work()
+    for ids, request in zip(prompts, requests):
+        expected = reference(model, ids, **options)
+        assert request.generated == expected  # the whole canvas (stop_on_eos off): "stop" when it holds an EOS
+        assert request.finish_reason == ("stop" if 5 in expected else "length")
+    with pytest.raises(EngineStoppedError):
+        engine.submit([GenerationRequest([1, 2], engine.sampling_params(**options))])
+
+
+def test_rows_without_steps_decode_one_token_per_step_as_generate_without_steps():
+    model = tiny_model("sdpa", eos_token_id=5)
+    engine = ContinuousBatchingEngine(model, max_batch_size=4)
+    options = dict(max_new_tokens=8, block_length=4, temperature=1.0, stop_on_eos=False)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 90, (n,), generator=generator).tolist() for n in (3, 6, 4)]
+    requests = [GenerationRequest(ids, engine.sampling_params(seed=seed, **options))
+                for seed, ids in enumerate(prompts)]
+    engine.submit(requests)
+    engine.run_until_idle()
+    for seed, (ids, request) in enumerate(zip(prompts, requests)):
+        assert request.generated == reference(model, ids, seed, **options)
+    assert engine.sampling_params(**options).steps == 8  # generate's default: max_new_tokens, one token a step
 
 
 def test_prompt_beyond_the_model_positions_is_refused_before_queueing():

@@ -92,12 +92,13 @@ def test_completion_tokens_count_the_generated_ids_not_a_retokenization(server):
     assert status == 200 and body["usage"]["completion_tokens"] == 18
 
 
+class Chars:  # token id i decodes to chr(i); EOS is id 0
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if i)
+
+
 def test_completion_tokens_stop_at_the_token_that_completes_a_stop_sequence():
     from hf_dlm.serving.app import answer_token_count
-
-    class Chars:  # token id i decodes to chr(i); EOS is id 0
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(chr(i) for i in ids if i)
 
     tokens = [ord(c) for c in "abcdefgh"]
     assert answer_token_count(Chars(), tokens, [0], [], 8) == 8
@@ -106,6 +107,20 @@ def test_completion_tokens_stop_at_the_token_that_completes_a_stop_sequence():
     assert answer_token_count(Chars(), tokens, [0], ["de"], 8) == 5  # "abcde" is the first prefix holding "de"
     assert answer_token_count(Chars(), tokens, [0], ["xy", "b"], 8) == 2
     assert answer_token_count(Chars(), tokens, [0], ["gh"], 6) == 6  # the stop sequence lies beyond max_tokens
+
+
+def test_answer_text_is_cut_at_max_tokens_the_first_eos_and_the_earliest_stop_sequence():
+    from hf_dlm.serving.engine import decode_answer
+
+    tokens = [ord(c) for c in "abcdefgh"]
+    assert decode_answer(Chars(), tokens, [0], [], 8) == ("abcdefgh", "length")
+    assert decode_answer(Chars(), tokens, [0], [], 5) == ("abcde", "length")  # the canvas ran past max_tokens
+    assert decode_answer(Chars(), tokens[:4], [0], [], 8) == ("abcd", None)  # undecided: more blocks to come
+    assert decode_answer(Chars(), tokens[:3] + [0] + tokens[3:], [0], [], 8) == ("abc", "stop")
+    # two stop sequences in the text: the answer ends before the one that comes first, whatever the list order
+    assert decode_answer(Chars(), tokens, [0], ["fg", "cd"], 8) == ("ab", "stop")
+    assert decode_answer(Chars(), tokens, [0], ["cd", "fg"], 8) == ("ab", "stop")
+    assert decode_answer(Chars(), tokens, [0], ["gh"], 6) == ("abcdef", "length")  # beyond max_tokens: no stop
 
 
 def test_invalid_json_names_no_field(server):
@@ -219,6 +234,120 @@ def test_sampler_refusals_name_their_field(server):
     for fields, expected, param in cases:
         status, reply = post(server, {"prompt": "x", "max_tokens": 8, **fields})
         assert (status, reply["error"]["param"]) == (expected, param), (fields, reply)
+
+
+def expected_answer(server, prompt_ids, canvas, max_tokens, seed=None, **options):
+    """(text, completion tokens) of generate() over `canvas` new tokens, cut at max_tokens and at the first EOS."""
+    ids = generated_ids(server.model, prompt_ids, canvas, seed, **options)[:max_tokens]
+    eos = server.tokenizer.eos_token_id
+    if eos in ids:
+        return server.tokenizer.decode(ids[: ids.index(eos)], skip_special_tokens=True), ids.index(eos) + 1
+    return server.tokenizer.decode(ids, skip_special_tokens=True), len(ids)
+
+
+def stream_events(server, body, path="/v1/completions"):
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as response:
+        lines = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_max_tokens_inside_a_block_decodes_the_whole_canvas_one_token_per_step_and_cuts_the_answer(server):
+    # max_tokens=6 in blocks of 4: the canvas is 8 tokens at one token per step (steps=8, generate's default for
+    # 8 new tokens), and the answer is their first 6
+    ids = server.tokenizer("a diffusion")["input_ids"]
+    body = {"prompt": "a diffusion", "max_tokens": 6, "block_length": 4, "temperature": 1.0, "seed": 3}
+    text, count = expected_answer(server, ids, 8, 6, 3, block_length=4, temperature=1.0)
+    status, reply = post(server, body)
+    assert status == 200 and reply["choices"][0]["text"] == text, (text, reply)
+    assert reply["choices"][0]["finish_reason"] == ("length" if count == 6 else "stop")
+    assert reply["usage"]["completion_tokens"] == count
+    assert "".join(event["choices"][0]["text"] for event in stream_events(server, body)) == text
+
+
+def test_usage_counts_each_prompt_once_and_choices_run_prompt_major_with_seed_plus_i(server):
+    prompts = ["the quick brown", "a diffusion model"]
+    ids = [server.tokenizer(prompt)["input_ids"] for prompt in prompts]
+    status, reply = post(server, {"prompt": prompts, "n": 2, "max_tokens": 4, "block_length": 4, "temperature": 1.0,
+                                  "seed": 5})
+    assert status == 200, reply
+    expected = [expected_answer(server, ids[p], 4, 4, 5 + i, block_length=4, temperature=1.0)
+                for p in range(2) for i in range(2)]
+    assert [(c["index"], c["text"]) for c in reply["choices"]] == [(k, text) for k, (text, _) in enumerate(expected)]
+    completion = sum(count for _, count in expected)
+    prompt_tokens = len(ids[0]) + len(ids[1])  # each prompt once, whatever n (OpenAI's count)
+    assert reply["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                              "total_tokens": prompt_tokens + completion}
+
+
+def test_responses_and_stream_chunks_name_their_object(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "block_length": 4}
+    status, reply = post(server, {"prompt": "the quick", "max_tokens": 4, "block_length": 4})
+    assert status == 200 and reply["object"] == "text_completion" and reply["id"].startswith("cmpl-")
+    status, reply = post(server, chat, "/v1/chat/completions")
+    assert status == 200 and reply["object"] == "chat.completion" and reply["id"].startswith("chatcmpl-")
+    events = stream_events(server, {"prompt": "the quick", "max_tokens": 8, "block_length": 4})
+    assert {event["object"] for event in events} == {"text_completion"} and len({e["id"] for e in events}) == 1
+    events = stream_events(server, chat, "/v1/chat/completions")
+    assert {event["object"] for event in events} == {"chat.completion.chunk"}
+    assert events[0]["id"].startswith("chatcmpl-") and len({e["id"] for e in events}) == 1
+
+
+def test_the_limits_themselves_are_served_and_one_past_them_refused(server):
+    settings, vocab = server.app_server.settings, server.model.config.vocab_size
+    prompt = server.tokenizer("the quick")["input_ids"]
+    sampled = {"block_length": 4, "steps": 8, "temperature": 1.0}
+    # top_k = the whole vocabulary (no cut), temperature 2.0 (the schema's top): generate() with them
+    for fields in ({"top_k": vocab}, {"temperature": 2.0}):
+        options = {**sampled, **fields}
+        text, _ = expected_answer(server, prompt, 8, 8, 5, **options)
+        status, reply = post(server, {"prompt": prompt, "max_tokens": 8, "seed": 5, **options})
+        assert status == 200 and reply["choices"][0]["text"] == text, (fields, reply)
+    # a prompt of exactly max_prompt_tokens ids (48 + 8 new tokens within the 64 positions)
+    longest = [3 + (7 * i) % 250 for i in range(settings.max_prompt_tokens)]
+    text, _ = expected_answer(server, longest, 8, 8, block_length=4, steps=8)
+    status, reply = post(server, {"prompt": longest, "max_tokens": 8, "block_length": 4, "steps": 8})
+    assert status == 200 and reply["choices"][0]["text"] == text, reply
+    refused = [({"prompt": prompt, "top_k": vocab + 1}, 400, "top_k"),
+               ({"prompt": prompt, "temperature": 2.0001}, 422, "temperature"),
+               ({"prompt": longest + [3], "max_tokens": 4}, 400, "prompt")]
+    # max_tokens = the server's max_output_tokens (lowered to 8 here)
+    settings.max_output_tokens = 8
+    try:
+        text, _ = expected_answer(server, prompt, 8, 8, 5, **sampled)
+        status, reply = post(server, {"prompt": prompt, "max_tokens": 8, "seed": 5, **sampled})
+        assert status == 200 and reply["choices"][0]["text"] == text, reply
+        for body, expected_status, param in refused + [({"prompt": prompt, "max_tokens": 9}, 400, "max_tokens")]:
+            status, reply = post(server, body)
+            assert (status, reply["error"]["param"]) == (expected_status, param), (body, reply)
+    finally:
+        settings.max_output_tokens = 64
+
+
+def test_empty_stop_sequences_are_ignored(server):
+    body = {"prompt": "a diffusion", "max_tokens": 8, "block_length": 4, "temperature": 1.0, "seed": 2}
+    ids = server.tokenizer(body["prompt"])["input_ids"]
+    text, _ = expected_answer(server, ids, 8, 8, 2, block_length=4, temperature=1.0)
+    status, plain = post(server, body)
+    assert status == 200 and plain["choices"][0]["text"] == text and text
+    for stop in ("", [""], ["", ""]):  # an empty string is in every text: it would cut every answer to ""
+        status, reply = post(server, {**body, "stop": stop})
+        assert status == 200 and reply["choices"] == plain["choices"], (stop, reply)
+
+
+def test_a_default_block_length_longer_than_max_tokens_shrinks_to_max_tokens(server):
+    # the model's generation config asks for blocks of 32; a request for 8 tokens decodes one block of 8 (not a
+    # canvas of 32 cut to 8)
+    config = server.model.generation_config
+    ids = server.tokenizer("the quick brown")["input_ids"]
+    text, count = expected_answer(server, ids, 8, 8, 4, block_length=8, temperature=1.0)
+    config.block_length = 32
+    try:
+        status, reply = post(server, {"prompt": "the quick brown", "max_tokens": 8, "temperature": 1.0, "seed": 4})
+    finally:
+        config.block_length = None
+    assert status == 200 and reply["choices"][0]["text"] == text, (text, reply)
+    assert reply["usage"]["completion_tokens"] == count
 
 
 def test_chat_without_a_template_is_400_naming_the_fix(server):

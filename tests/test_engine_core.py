@@ -166,6 +166,24 @@ def test_the_queue_takes_exactly_max_waiting_requests_all_or_none_and_counts_eac
     assert stats["first_block_count"] == 4 and stats["requests_failed"] == 0
 
 
+def test_a_waiting_request_whose_client_left_frees_its_queue_place_at_the_next_submit():
+    model = tiny_model("sdpa", eos_token_id=5)
+    engine = ContinuousBatchingEngine(model, max_batch_size=1, max_waiting=2)
+    options = dict(max_new_tokens=8, block_length=4, steps=8, stop_on_eos=False)
+    done = []
+    requests = [GenerationRequest(ids, engine.sampling_params(**options),
+                                  on_done=lambda r, reason, error: done.append((r.request_id, reason)))
+                for ids in ([1, 2, 3], [4, 5], [6, 7])]
+    engine.submit(requests[:2])
+    engine.cancel(requests[0])  # its client is gone while the request still waits
+    engine.submit(requests[2:])  # the queue (max 2) has room again
+    assert done == [(requests[0].request_id, "cancelled")] and engine.num_waiting == 2
+    engine.run_until_idle()
+    for request in requests[1:]:
+        assert request.generated == reference(model, request.prompt_ids, **options)
+    assert requests[0].generated == [] and engine.stats["requests_admitted"] == 2
+
+
 def test_shutdown_finishes_every_queued_and_running_row_before_the_loop_stops():
     model = tiny_model("sdpa", eos_token_id=5)
     engine = ContinuousBatchingEngine(model, max_batch_size=2)

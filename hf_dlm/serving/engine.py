@@ -266,6 +266,12 @@ class ContinuousBatchingEngine:
         with self.lock:
             if self.stopping:
                 raise EngineStoppedError("the server is shutting down")
+            # requests whose clients left while they waited free their places now, not when lanes free up
+            gone = [request for request in self.waiting if request.cancelled]
+            if gone:
+                self.waiting = deque(request for request in self.waiting if not request.cancelled)
+                for request in gone:
+                    self._done(request, "cancelled")
             if len(self.waiting) + len(requests) > self.max_waiting:
                 raise QueueFullError(f"the queue holds {len(self.waiting)} waiting requests (max {self.max_waiting})")
             self.waiting.extend(requests)

@@ -170,7 +170,7 @@ class DLMEvalHarness(LM):
                 raise ValueError(f"hf-dlm generate_until: unsupported gen_kwargs {sorted(gen_kwargs)} "
                                  "(supported: until, max_gen_toks, temperature, do_sample, top_p, top_k)")
 
-            def stop_check(generated, until=until, max_tokens=max_tokens):
+            def stop_check(generated, until=until, max_tokens=max_tokens):  # `engine`: built below, before any step
                 return decode_answer(self.tokenizer, generated, engine.eos_ids, until, max_tokens)[1] is not None
 
             jobs.append((GenerationRequest(ids, params, stop_check=stop_check), until, max_tokens))

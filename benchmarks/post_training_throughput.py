@@ -10,7 +10,8 @@ Sections (each in a try block: one failing still leaves the others' figures):
 - sft: DLMSFTTrainer on prompt-completion rows of the same total length (prompt a quarter of it), same setup.
   Both report tokens/s over the steps after the first two (real tokens, prompt included).
 - grpo-lora / grpo-full: DiffuGRPOTrainer, bf16 weights, `--prompts` prompts x `--generations` rollouts of
-  `--completion` tokens (sampler: blocks of 32, 2 tokens per step, dual cache, temperature 0.9), d1 estimator,
+  `--completion` tokens (sampler: blocks of 32, 2 tokens per step or `--threshold`, dual cache, temperature 0.9,
+  `--compile-rollouts` for the compiled step), d1 estimator,
   beta 0.04 (LoRA: the reference is the adapter-free model; full: a frozen copy). Step time (rollout included)
   and rollout tokens/s (completion tokens / generate time) over the steps after the first; peak memory.
 Writes results.json under $OUT when that is set.
@@ -41,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=64, help="GRPO: prompt tokens")
     p.add_argument("--completion", type=int, default=128, help="GRPO: completion tokens (max_completion_length)")
     p.add_argument("--grpo-steps", type=int, default=3)
+    p.add_argument("--threshold", type=float, default=None, help="GRPO rollouts: threshold decoding (e.g. 0.9)")
+    p.add_argument("--compile-rollouts", action="store_true", help="GRPO rollouts: the compiled decoding step")
     a = p.parse_args(argv)
     if a.tiny:
         a.seq, a.mbs, a.steps, a.prompts, a.generations, a.prompt_len, a.completion, a.grpo_steps = (
@@ -146,6 +149,16 @@ def run_sft(a, tokenizer, device, out_dir) -> dict:
     return {"tokens_per_step": a.mbs * max(lengths), "sequence_lengths": sorted(lengths), "step_s": timer.times}
 
 
+def rollout_kwargs(a) -> dict:
+    """The rollouts' sampler settings: blocks of 32, 2 tokens per step (or `--threshold`), dual cache."""
+    kwargs = dict(block_length=32, steps=a.completion // 2, cache="dual")
+    if a.threshold is not None:
+        kwargs["threshold"] = a.threshold
+    if a.compile_rollouts:
+        kwargs["compile"] = True
+    return kwargs
+
+
 def run_grpo(a, tokenizer, device, out_dir, lora: bool) -> dict:
     import random
 
@@ -174,7 +187,7 @@ def run_grpo(a, tokenizer, device, out_dir, lora: bool) -> dict:
     args = DiffuGRPOConfig(**common_args(a, device, out_dir), max_steps=a.grpo_steps,
                            per_device_train_batch_size=batch, num_generations=a.generations,
                            max_completion_length=a.completion,
-                           generation_kwargs=dict(block_length=32, steps=a.completion // 2, cache="dual"),
+                           generation_kwargs=rollout_kwargs(a),
                            learning_rate=1e-6, beta=0.04, logp_estimator="d1")
     trainer = DiffuGRPOTrainer(model=model, reward_funcs=even_ids, args=args, train_dataset=Dataset.from_list(rows),
                                processing_class=tokenizer, peft_config=peft_config, callbacks=[timer.callback])

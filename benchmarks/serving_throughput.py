@@ -41,7 +41,7 @@ def parse_args():
     p.add_argument("--rules", default="one,threshold", help="comma-separated core settings: one (one token per step), "
                    "threshold (threshold 0.9)")
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--arrivals", type=int, default=64)
+    p.add_argument("--arrivals", type=int, default=64, help="requests of the arrivals run (0: no arrivals run)")
     p.add_argument("--arrival-every", type=int, default=8, help="engine steps between two arrivals")
     p.add_argument("--compile", default="true", help="'true', 'none' or a DLMGenerationConfig.compile value")
     p.add_argument("--clients", default="16,64")
@@ -343,6 +343,8 @@ def core_benchmark(model, args, report):
             report["core"].append(row)
             print(json.dumps(row), flush=True)
             dump(report, args)
+        if not args.arrivals:
+            continue
         all_at_once = next((r["engine_tok_s"] for r in report["core"]
                             if r["setting"] == label and r["batch"] == args.arrivals), None)
         engine_run(args.arrivals, args.arrival_every)

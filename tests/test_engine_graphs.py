@@ -48,6 +48,7 @@ def test_preallocated_storage_captures_each_shape_once_in_a_long_run(monkeypatch
         out = model.generate(torch.tensor([ids]), **options)
         assert request.generated == out[0, len(ids):].tolist(), options
     assert replays > 2 * len(shapes)
+    assert engine.stats["graph_captures"] == len(shapes)  # /metrics' hf_dlm_graph_captures_total
     if preallocate:
         assert len(set(shapes)) == len(shapes)  # every shape captured once
         assert len(shapes) == before_twin  # the twin replays the first row's graphs

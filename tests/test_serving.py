@@ -273,6 +273,7 @@ def test_bounded_load_valid_answered_bad_rejected_and_batched(server):
     rows = metric(after, "hf_dlm_forward_rows_total") - metric(before, "hf_dlm_forward_rows_total")
     assert rows / passes > 1.0, (rows, passes)  # continuous batching: requests share forward passes
     assert 'hf_dlm_http_responses_total{path="/v1/completions",status="200"}' in after
+    assert re.search(r"^hf_dlm_graph_captures_total 0$", after, re.M)  # CPU: no CUDA graphs
 
 
 def test_serve_cli_shutdown_under_load_loses_no_accepted_request(server, tmp_path):

@@ -153,6 +153,7 @@ class StepGraphs:
 
     def __init__(self, model, enabled: bool):
         self.model, self.enabled, self.graphs = model, enabled, {}
+        self.captured = 0  # graphs captured so far (a capture runs the forward three times: a step's cost x3)
         # plain calls get the graph's kind of inputs (separate contiguous buffers) only where a capture can
         # follow: else Dynamo's guards (aliasing, e.g. positions passed twice; strides) compile another graph
         self.fresh_inputs = enabled
@@ -165,6 +166,7 @@ class StepGraphs:
         if step is None and self.enabled:
             if key in self.graphs:
                 step = self.graphs[key] = self._capture(forward, tensors, fixed)
+                self.captured += step is not None
             else:
                 self.graphs[key] = None
         if step is not None:

@@ -267,6 +267,8 @@ class DLMServer:
                stats["forward_tokens"])
         metric("hf_dlm_rows_per_forward", "gauge", "mean rows per forward pass", stats["forward_rows"] / passes)
         metric("hf_dlm_max_rows_per_forward", "gauge", "largest forward batch so far", stats["max_forward_rows"])
+        metric("hf_dlm_graph_captures_total", "counter", "step shapes captured as CUDA graphs (each capture costs "
+               "about three forwards; a shape is captured the second time it is seen)", stats["graph_captures"])
         metric("hf_dlm_queue_waiting", "gauge", "sequences waiting to join the batch", engine.num_waiting)
         metric("hf_dlm_running_rows", "gauge", "sequences in the running batch", engine.num_running)
         metric("hf_dlm_generated_tokens_total", "counter", "tokens committed", stats["generated_tokens"])

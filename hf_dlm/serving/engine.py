@@ -223,7 +223,8 @@ class ContinuousBatchingEngine:
         # counters read by /metrics
         self.stats = {"forward_passes": 0, "forward_rows": 0, "forward_tokens": 0, "max_forward_rows": 0,
                       "engine_steps": 0, "requests_admitted": 0, "requests_finished": 0, "requests_failed": 0,
-                      "generated_tokens": 0, "first_block_seconds_sum": 0.0, "first_block_count": 0}
+                      "generated_tokens": 0, "first_block_seconds_sum": 0.0, "first_block_count": 0,
+                      "graph_captures": 0}
 
     def sampling_params(self, **overrides) -> SamplingParams:
         return self.sampling_params_for(self.model, **overrides)
@@ -402,8 +403,11 @@ class ContinuousBatchingEngine:
             self.graphs = StepGraphs(self.model, enabled=self.captures)
             self.graphs_storage = storage
         keys, values = self._layers(self.storage.keys), self._layers(self.storage.values)
+        captured = self.graphs.captured
         with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_GRAPHS):
-            return self.graphs(self.compiled, tensors, keys=keys, values=values)
+            logits = self.graphs(self.compiled, tensors, keys=keys, values=values)
+        self.stats["graph_captures"] += self.graphs.captured - captured
+        return logits
 
     def _commit(self, rows: list[_Row], logits: torch.Tensor):
         """The core's commit rules, rows with equal settings (and no generator of their own) in one call."""

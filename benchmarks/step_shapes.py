@@ -1,0 +1,94 @@
+"""How many CUDA graphs the serving engine captures, run by run, on the schedules of serving_throughput.py's
+core part (all at once; requests arriving one per `--arrival-every` engine steps). CPU only, seconds: the
+step shapes depend on the lengths, not on the model's width, so a one-layer model stands in for the 8B one.
+
+A compiled engine step is replayed from a CUDA graph per bucketed shape, captured the second time the shape is
+seen (`StepGraphs`); a capture runs the forward three times. A schedule whose shapes occur once per run
+captures them during its second run: the count says how many runs a benchmark must repeat before its timed
+run is the engine's steady state.
+
+    python benchmarks/step_shapes.py            # the GPU benchmark's sizes (64 + 256 tokens, block 32, 64 rows)
+    python benchmarks/step_shapes.py --tiny     # small sizes (the test suite)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--arrival-every", type=int, default=8)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    return p.parse_args()
+
+
+class CountedGraph:
+    """CPU stand-in for `CapturedStep` (a CUDA graph): runs the forward; the engine counts its captures."""
+
+    def __init__(self, forward, tensors, fixed):
+        self.forward, self.fixed = forward, fixed
+
+    def __call__(self, tensors):
+        return self.forward(**tensors, **self.fixed)
+
+
+def main():
+    import torch
+
+    from hf_dlm import DLMConfig, DLMForDiffusionLM
+    from hf_dlm.generation import compiled_step
+    from hf_dlm.generation.slot_cache import ragged_forward
+    from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
+
+    args = parse_args()
+    if args.tiny:
+        args.prompt_tokens, args.new_tokens, args.block_length, args.requests, args.arrival_every = 8, 32, 8, 8, 2
+    compiled_step.CapturedStep = CountedGraph
+    config = DLMConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=16, mask_token_id=127,
+                       max_position_embeddings=args.prompt_tokens + args.new_tokens)
+    model = DLMForDiffusionLM(config).eval()
+    prompts = torch.randint(0, 120, (args.requests, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, steps=args.new_tokens,
+                   cache="dual", temperature=0.0, stop_on_eos=False)
+    report = []
+    for name, every in (("all at once", 0), (f"one per {args.arrival_every} steps", args.arrival_every)):
+        engine = ContinuousBatchingEngine(model, max_batch_size=args.requests, max_waiting=4 * args.requests,
+                                          max_length=args.prompt_tokens + args.new_tokens, preallocate=True)
+        engine.compiled, engine.captures = ragged_forward, True  # the bucketed, captured path, eager kernels
+        for run in range(1, args.runs + 1):
+            before = dict(engine.stats)
+            pending, step = [GenerationRequest(p.tolist(), engine.sampling_params(**options)) for p in prompts], 0
+            with torch.inference_mode():
+                while pending or engine.has_work():
+                    if pending and (every == 0 or step % every == 0):
+                        take = len(pending) if every == 0 else 1
+                        engine.submit(pending[:take])
+                        pending = pending[take:]
+                    engine.step()
+                    step += 1
+            row = {"schedule": name, "run": run, "engine_steps": engine.stats["engine_steps"] - before["engine_steps"],
+                   "shapes_seen": len(engine.graphs.graphs),
+                   "captures": engine.stats["graph_captures"] - before["graph_captures"]}
+            report.append(row)
+            print(json.dumps(row), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "step_shapes.json"), "w") as f:
+        json.dump({"args": vars(args), "runs": report}, f, indent=2)
+    print("| schedule | run | engine steps | distinct shapes seen so far | graphs captured in the run |")
+    print("|---|---|---|---|---|")
+    for r in report:
+        print(f"| {r['schedule']} | {r['run']} | {r['engine_steps']} | {r['shapes_seen']} | {r['captures']} |")
+
+
+if __name__ == "__main__":
+    main()

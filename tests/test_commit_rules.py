@@ -168,10 +168,10 @@ def test_editing_step_equals_llada21_on_equal_logits():
 
 
 # ---- whole generations against the sources' loops (uncached, batch 1) ----------------------------------------
-def confident_model(**overrides):
+def confident_model(scale=100, **overrides):
     model = tiny_model(**overrides)
     with torch.no_grad():
-        model.lm_head.weight.mul_(100)  # peaked distributions: the parallel rules commit several tokens per step
+        model.lm_head.weight.mul_(scale)  # peaked distributions: the parallel rules commit several tokens per step
     return model
 
 
@@ -333,3 +333,74 @@ def test_credit_equals_dinfer_on_scripted_logits_over_steps_and_blocks(threshold
     assert len(out.forward_batch_sizes) == forwards >= 6  # several steps in each of the two blocks
     plain = model.generate(prompt, **options)
     assert plain.sequences.tolist() != expected.tolist()  # the credit decided some of it
+
+
+def as_logits(rows: list[dict], vocab: int = 6) -> torch.Tensor:
+    """[{token: probability}] per position -> (1, W, vocab) log-probabilities, the rest of the mass spread evenly."""
+    logits = []
+    for given in rows:
+        rest = (1 - sum(given.values())) / (vocab - len(given))
+        logits.append([given.get(token, rest) for token in range(vocab)])
+    return torch.tensor([logits], dtype=torch.float64).log()
+
+
+def test_credit_changes_the_token_where_plain_threshold_decides_otherwise():
+    """Three masks, threshold 0.9: steps 1 and 2 commit positions 0 and 1 (p = 0.99) while position 2 predicts
+    token 1 (p = 0.5); at step 3 token 2 leads by a little (0.42 against 0.40). Plain threshold decoding takes
+    token 2; the credit that token 1 gathered over steps 1 and 2 keeps it."""
+    mask_id, flat = 5, {3: 0.2}
+    steps = [[{0: 0.99}, flat, {1: 0.5, 2: 0.3}], [{0: 0.5}, {0: 0.99}, {1: 0.5, 2: 0.3}],
+             [{0: 0.5}, {0: 0.5}, {2: 0.42, 1: 0.40}]]
+    results = {}
+    for name, settings in (("plain", CommitSettings(threshold=0.9)),
+                           ("credit", CommitSettings(threshold=0.9, credit_alpha=0.7))):
+        current, credit, committed = torch.full((1, 3), mask_id), torch.zeros(1, 3, 6), []
+        for probabilities in steps:
+            masks = current.eq(mask_id)
+            current, _ = decide_step(as_logits(probabilities), current, masks, settings,
+                                     mask_index=torch.tensor([mask_id]), credit=credit)
+            committed.append((masks & current.ne(mask_id)).nonzero()[:, 1].tolist())
+        results[name] = current[0].tolist(), committed
+    assert results["plain"] == ([0, 0, 2], [[0], [1], [2]])
+    assert results["credit"] == ([0, 0, 1], [[0], [1], [2]])
+
+
+def test_credit_on_a_confident_model_equals_dinfer_and_commits_several_tokens_per_forward():
+    model = confident_model()
+    prompt = torch.randint(0, 90, (2, 5), generator=torch.Generator().manual_seed(2))
+
+    def script(x):
+        with torch.no_grad():
+            return model(input_ids=x).logits
+
+    expected, forwards = dinfer_credit_loop(script, prompt, 16, 8, DInferCredit(0.5, MASK_ID))
+    options = dict(max_new_tokens=16, block_length=8, threshold=0.5, return_dict_in_generate=True)
+    out = model.generate(prompt, credit_alpha=0.7, **options)
+    assert out.sequences.tolist() == expected.tolist()
+    assert len(out.forward_batch_sizes) == forwards <= 6  # 32 tokens in at most 6 forwards
+    assert forwards < len(model.generate(prompt, **options).forward_batch_sizes)  # the credit commits sooner
+
+
+@pytest.mark.parametrize("options,field", [
+    (dict(credit_alpha=0.7), "credit_alpha"),  # no threshold
+    (dict(credit_alpha=-0.1, threshold=0.9), "credit_alpha"),
+    (dict(credit_alpha=float("inf"), threshold=0.9), "credit_alpha"),
+    (dict(credit_alpha=float("nan"), threshold=0.9), "credit_alpha"),
+    (dict(credit_alpha=0.7, threshold=0.9, credit_decay=1.5), "credit_decay"),
+    (dict(credit_alpha=0.7, threshold=0.9, credit_decay=-0.1), "credit_decay"),
+    (dict(credit_alpha=0.7, threshold=0.9, credit_boost=-1.0), "credit_boost"),
+    (dict(credit_alpha=0.7, factor=1.0), "credit_alpha"),
+    (dict(credit_alpha=0.7, entropy_bound=1.0), "credit_alpha"),
+    (dict(credit_alpha=0.7, threshold=0.9, editing_threshold=0.5), "credit_alpha"),
+    (dict(credit_alpha=0.7, threshold=0.9, sub_block_length=4), "credit_alpha"),
+    (dict(credit_alpha=0.7, threshold=0.9, first_token_alone=True), "credit_alpha"),
+    (dict(credit_alpha=0.7, threshold=0.9, remasking="margin"), "credit_alpha"),
+])
+def test_credit_settings_are_validated_naming_the_field(options, field):
+    from hf_dlm.generation.configuration import DLMGenerationConfig
+    from hf_dlm.utils.errors import FieldError
+
+    with pytest.raises(FieldError) as error:
+        DLMGenerationConfig.from_any(None, **options)
+    assert error.value.field == field and field in str(error.value)
+    DLMGenerationConfig.from_any(None, credit_alpha=0.0, threshold=0.9, credit_boost=0.0, credit_decay=1.0)  # limits

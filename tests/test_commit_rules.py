@@ -7,7 +7,7 @@ import torch
 from hf_dlm.generation.commit_rules import (COMMIT_RULES, CommitSettings, decide_step, entropy_bound_commits,
                                             factor_commits)
 
-from tests.utils import MASK_ID, tiny_model
+from tests.utils import MASK_ID, SCRIPTED_MASK, SCRIPTED_VOCAB, ScriptedModel, tiny_model
 
 
 # ---- transcriptions -----------------------------------------------------------------------------------------
@@ -56,6 +56,48 @@ def llada21_step(logits, block, prompt_in_block, threshold, editing_threshold, m
              for i in range(len(block))]
     new = [int(tokens[i]) if transfer[i] or edits[i] else block[i] for i in range(len(block))]
     return new, any(edits)
+
+
+class DInferCredit:
+    """dInfer CreditThresholdParallelDecoder.decode (python/dinfer/decoding/parallel_strategy.py), greedy, for a batch:
+    a credit matrix per (block_start, block_end), decayed by beta from the block's second call on, each masked
+    position's float32 top-1 token gaining p ** gamma; logits + alpha * log(credit + 1) decide through
+    get_transfer_index_threshold (float32 probabilities, [MASK] predictions dropped, commit confidence >=
+    min(max confidence - 1e-5, threshold)); every matrix dropped once x has no masks."""
+
+    def __init__(self, threshold, mask_id, alpha=0.7, gamma=0.2, beta=0.8):
+        self.threshold, self.mask_id, self.alpha, self.gamma, self.beta = threshold, mask_id, alpha, gamma, beta
+        self.mats, self.iters = {}, {}
+
+    def decode(self, logits, block_start, block_end, x):
+        batch, length, vocab = logits.shape
+        mask_index = x[:, block_start:block_end] == self.mask_id
+        key = (block_start, block_end)
+        if key not in self.mats or self.mats[key].shape != (batch, length, vocab):
+            self.mats[key], self.iters[key] = torch.zeros(batch, length, vocab), 0
+        mat = self.mats[key]
+        if self.iters[key] > 0:
+            mat *= self.beta
+        probs = torch.softmax(logits.float(), -1)
+        for b in range(batch):
+            for i in range(length):
+                if mask_index[b, i]:
+                    top = int(probs[b, i].argmax())
+                    mat[b, i, top] += float(probs[b, i, top]) ** self.gamma
+        fused = logits + self.alpha * torch.log(mat + 1)
+        self.iters[key] += 1
+        x0 = fused.argmax(-1)
+        p = torch.softmax(fused.float(), -1)
+        for b in range(batch):
+            confidence = [float(p[b, i, x0[b, i]]) if mask_index[b, i] and x0[b, i] != self.mask_id else -float("inf")
+                          for i in range(length)]
+            floor = min(max(max(confidence) - 1e-5, -1000), self.threshold)
+            for i in range(length):
+                if confidence[i] >= floor and mask_index[b, i]:
+                    x[b, block_start + i] = x0[b, i]
+        if not (x == self.mask_id).any():
+            self.mats.clear()
+            self.iters.clear()
 
 
 # ---- equal logits -------------------------------------------------------------------------------------------
@@ -126,10 +168,10 @@ def test_editing_step_equals_llada21_on_equal_logits():
 
 
 # ---- whole generations against the sources' loops (uncached, batch 1) ----------------------------------------
-def confident_model(**overrides):
+def confident_model(scale=100, **overrides):
     model = tiny_model(**overrides)
     with torch.no_grad():
-        model.lm_head.weight.mul_(100)  # peaked distributions: the parallel rules commit several tokens per step
+        model.lm_head.weight.mul_(scale)  # peaked distributions: the parallel rules commit several tokens per step
     return model
 
 
@@ -248,3 +290,117 @@ def test_threshold_and_editing_boundaries_by_hand():
     x0, current = torch.tensor([[1, 2, 3]]), torch.tensor([[0, 0, 3]])
     editable = torch.ones(1, 3, dtype=torch.bool)
     assert editing_commits(probability, x0, current, editable, 0.5).tolist() == [[False, True, False]]
+
+
+# ---- dInfer's credit decoding ---------------------------------------------------------------------------------
+def drifting_logits(input_ids):
+    """A scripted model for credit decoding: per row, a fixed preference per prompt and position plus noise that
+    changes with every committed token, so top-1 tokens mostly repeat over a block's steps (what the credit
+    rewards) while their probabilities move around the threshold."""
+    out = []
+    for row in input_ids:
+        weights = torch.arange(1, row.numel() + 1)
+        base = torch.randn(row.numel(), SCRIPTED_VOCAB, generator=torch.Generator().manual_seed(int(row[:3].sum()) * 7))
+        noise = torch.randn(row.numel(), SCRIPTED_VOCAB, generator=torch.Generator().manual_seed(int(row @ weights)))
+        logits = 2.0 * base + 1.0 * noise
+        logits[:, SCRIPTED_MASK] = -1e4  # dInfer keeps [MASK] a candidate; here it never wins, so both agree
+        out.append(logits)
+    return torch.stack(out)
+
+
+def dinfer_credit_loop(script, prompt, new_tokens, block, decoder):
+    """dInfer's block loop, uncached: every row forwards until no row of the batch has masks in the block."""
+    x = torch.cat([prompt, torch.full((prompt.shape[0], new_tokens), decoder.mask_id)], 1)
+    forwards = 0
+    for b in range(new_tokens // block):
+        start, end = prompt.shape[1] + b * block, prompt.shape[1] + (b + 1) * block
+        while (x[:, start:end] == decoder.mask_id).any():
+            decoder.decode(script(x)[:, start:end], start, end, x)
+            forwards += 1
+    return x, forwards
+
+
+@pytest.mark.parametrize("threshold,alpha,boost,decay", [(0.9, 0.7, 0.2, 0.8), (0.6, 0.7, 0.2, 0.8),
+                                                         (0.8, 1.5, 0.5, 0.5)])
+def test_credit_equals_dinfer_on_scripted_logits_over_steps_and_blocks(threshold, alpha, boost, decay):
+    prompt = torch.randint(0, 14, (3, 4), generator=torch.Generator().manual_seed(5))
+    expected, forwards = dinfer_credit_loop(drifting_logits, prompt, 16, 8,
+                                            DInferCredit(threshold, SCRIPTED_MASK, alpha, boost, decay))
+    model = ScriptedModel(drifting_logits)
+    options = dict(max_new_tokens=16, block_length=8, threshold=threshold, return_dict_in_generate=True)
+    out = model.generate(prompt, credit_alpha=alpha, credit_boost=boost, credit_decay=decay, **options)
+    assert out.sequences.tolist() == expected.tolist()
+    assert len(out.forward_batch_sizes) == forwards >= 6  # several steps in each of the two blocks
+    plain = model.generate(prompt, **options)
+    assert plain.sequences.tolist() != expected.tolist()  # the credit decided some of it
+
+
+def as_logits(rows: list[dict], vocab: int = 6) -> torch.Tensor:
+    """[{token: probability}] per position -> (1, W, vocab) log-probabilities, the rest of the mass spread evenly."""
+    logits = []
+    for given in rows:
+        rest = (1 - sum(given.values())) / (vocab - len(given))
+        logits.append([given.get(token, rest) for token in range(vocab)])
+    return torch.tensor([logits], dtype=torch.float64).log()
+
+
+def test_credit_changes_the_token_where_plain_threshold_decides_otherwise():
+    """Three masks, threshold 0.9: steps 1 and 2 commit positions 0 and 1 (p = 0.99) while position 2 predicts
+    token 1 (p = 0.5); at step 3 token 2 leads by a little (0.42 against 0.40). Plain threshold decoding takes
+    token 2; the credit that token 1 gathered over steps 1 and 2 keeps it."""
+    mask_id, flat = 5, {3: 0.2}
+    steps = [[{0: 0.99}, flat, {1: 0.5, 2: 0.3}], [{0: 0.5}, {0: 0.99}, {1: 0.5, 2: 0.3}],
+             [{0: 0.5}, {0: 0.5}, {2: 0.42, 1: 0.40}]]
+    results = {}
+    for name, settings in (("plain", CommitSettings(threshold=0.9)),
+                           ("credit", CommitSettings(threshold=0.9, credit_alpha=0.7))):
+        current, credit, committed = torch.full((1, 3), mask_id), torch.zeros(1, 3, 6), []
+        for probabilities in steps:
+            masks = current.eq(mask_id)
+            current, _ = decide_step(as_logits(probabilities), current, masks, settings,
+                                     mask_index=torch.tensor([mask_id]), credit=credit)
+            committed.append((masks & current.ne(mask_id)).nonzero()[:, 1].tolist())
+        results[name] = current[0].tolist(), committed
+    assert results["plain"] == ([0, 0, 2], [[0], [1], [2]])
+    assert results["credit"] == ([0, 0, 1], [[0], [1], [2]])
+
+
+def test_credit_on_a_confident_model_equals_dinfer_and_commits_several_tokens_per_forward():
+    model = confident_model()
+    prompt = torch.randint(0, 90, (2, 5), generator=torch.Generator().manual_seed(2))
+
+    def script(x):
+        with torch.no_grad():
+            return model(input_ids=x).logits
+
+    expected, forwards = dinfer_credit_loop(script, prompt, 16, 8, DInferCredit(0.5, MASK_ID))
+    options = dict(max_new_tokens=16, block_length=8, threshold=0.5, return_dict_in_generate=True)
+    out = model.generate(prompt, credit_alpha=0.7, **options)
+    assert out.sequences.tolist() == expected.tolist()
+    assert len(out.forward_batch_sizes) == forwards <= 6  # 32 tokens in at most 6 forwards
+    assert forwards < len(model.generate(prompt, **options).forward_batch_sizes)  # the credit commits sooner
+
+
+@pytest.mark.parametrize("options,field", [
+    (dict(credit_alpha=0.7), "credit_alpha"),  # no threshold
+    (dict(credit_alpha=-0.1, threshold=0.9), "credit_alpha"),
+    (dict(credit_alpha=float("inf"), threshold=0.9), "credit_alpha"),
+    (dict(credit_alpha=float("nan"), threshold=0.9), "credit_alpha"),
+    (dict(credit_alpha=0.7, threshold=0.9, credit_decay=1.5), "credit_decay"),
+    (dict(credit_alpha=0.7, threshold=0.9, credit_decay=-0.1), "credit_decay"),
+    (dict(credit_alpha=0.7, threshold=0.9, credit_boost=-1.0), "credit_boost"),
+    (dict(credit_alpha=0.7, factor=1.0), "credit_alpha"),
+    (dict(credit_alpha=0.7, entropy_bound=1.0), "credit_alpha"),
+    (dict(credit_alpha=0.7, threshold=0.9, editing_threshold=0.5), "credit_alpha"),
+    (dict(credit_alpha=0.7, threshold=0.9, sub_block_length=4), "credit_alpha"),
+    (dict(credit_alpha=0.7, threshold=0.9, first_token_alone=True), "credit_alpha"),
+    (dict(credit_alpha=0.7, threshold=0.9, remasking="margin"), "credit_alpha"),
+])
+def test_credit_settings_are_validated_naming_the_field(options, field):
+    from hf_dlm.generation.configuration import DLMGenerationConfig
+    from hf_dlm.utils.errors import FieldError
+
+    with pytest.raises(FieldError) as error:
+        DLMGenerationConfig.from_any(None, **options)
+    assert error.value.field == field and field in str(error.value)
+    DLMGenerationConfig.from_any(None, credit_alpha=0.0, threshold=0.9, credit_boost=0.0, credit_decay=1.0)  # limits

@@ -313,3 +313,38 @@ def test_bucketed_step_whose_filler_rows_meet_an_exactly_bucketed_token_count_eq
     assert (step.rows, step.num_tokens) == (18, 32)
     assert int(step.tensors["head_index"].max()) < step.num_tokens
     torch.testing.assert_close(bucketed[:rows, :length], plain[:rows, :length], rtol=1e-5, atol=1e-5)
+
+
+# dInfer's credit decoding: rows of several credit settings (and plain threshold rows) share steps; a seeded row,
+# a guided row and aligned blocks of two widths (a partial first block) among them
+CREDIT_RULES = [dict(threshold=0.7, credit_alpha=0.7), dict(threshold=0.5, credit_alpha=1.5, credit_decay=0.5),
+                dict(threshold=0.7), dict(threshold=0.7, credit_alpha=0.7, temperature=0.8, seed=3),
+                dict(threshold=0.6, credit_alpha=0.7, align_blocks=True, max_new_tokens=14),
+                dict(threshold=0.7, credit_alpha=0.7, credit_boost=0.5, cfg_scale=1.0)]
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_credit_decoding_equals_generate_in_the_engine_with_rows_joining(cache):
+    model = tiny_model("sdpa", eos_token_id=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100)  # confident: several tokens per forward, credit that changes decisions
+    engine = ContinuousBatchingEngine(model, max_batch_size=6)
+    generator = torch.Generator().manual_seed(8)
+    rows = []
+    for i, rule in enumerate(CREDIT_RULES * 2):
+        ids = torch.randint(0, 90, (3 + i,), generator=generator).tolist()
+        rule = dict(rule)
+        seed = rule.pop("seed", None)
+        options = dict(max_new_tokens=16, block_length=8, cache=cache, stop_on_eos=False)
+        options.update(rule)
+        rows.append((ids, seed, options, GenerationRequest(ids, engine.sampling_params(seed=seed, **options))))
+    forwards = run_arriving(engine, [r[-1] for r in rows], per_step=2)
+    assert all(count == 1 for count, had_rows in forwards if had_rows)
+    changed = 0
+    for ids, seed, options, request in rows:
+        assert request.error is None, options
+        assert request.generated == reference(model, ids, seed, **options), options
+        if "credit_alpha" in options:
+            plain = {k: v for k, v in options.items() if not k.startswith("credit_")}
+            changed += request.generated != reference(model, ids, seed, **plain)
+    assert changed >= 2  # the credit decided tokens in the engine too

@@ -209,6 +209,7 @@ SAMPLERS = [  # request fields beyond prompt / max_tokens / seed: each reaches g
     {"factor": 1.0, "block_length": 4},
     {"entropy_bound": 0.5, "block_length": 8, "temperature": 0.5},
     {"threshold": 0.3, "editing_threshold": 0.5, "max_post_steps": 2, "block_length": 4, "cache": "dual"},
+    {"threshold": 0.3, "credit_alpha": 0.7, "credit_boost": 0.5, "credit_decay": 0.6, "block_length": 4},
 ]
 
 
@@ -230,7 +231,9 @@ def test_field_mapping_reaches_the_sampler(server, fields):
 def test_sampler_refusals_name_their_field(server):
     # DLMGenerationConfig's FieldErrors under the request's names (400); the schema's bounds first (422)
     cases = [({"factor": 1.0, "threshold": 0.5}, 400, "factor"), ({"editing_threshold": 0.5}, 400, "editing_threshold"),
-             ({"factor": 0.0}, 422, "factor"), ({"max_post_steps": 10**6}, 422, "max_post_steps")]
+             ({"factor": 0.0}, 422, "factor"), ({"max_post_steps": 10**6}, 422, "max_post_steps"),
+             ({"credit_alpha": 0.7}, 400, "credit_alpha"), ({"credit_alpha": 0.7, "factor": 1.0}, 400, "credit_alpha"),
+             ({"credit_decay": 1.5}, 422, "credit_decay"), ({"credit_alpha": -1.0}, 422, "credit_alpha")]
     for fields, expected, param in cases:
         status, reply = post(server, {"prompt": "x", "max_tokens": 8, **fields})
         assert (status, reply["error"]["param"]) == (expected, param), (fields, reply)

@@ -7,6 +7,8 @@ A step's decision has three parts, each from the registry:
 - a count: LLaDA's per-step budget of the best-ranked masks (default), or a rule that decides how many
   itself and ignores `steps`: `threshold`, `factor`, `entropy_bound`;
 - an optional edit (`editing_threshold`, beside `threshold`): committed tokens of the current block re-decided;
+- an optional credit (`credit_alpha`, beside `threshold`): the block's earlier steps raise the logits of the tokens
+  they predicted (`credit_logits`; the caller keeps the state per row across a block's steps);
 - which masks of the block are candidates at all (`block_candidates`): every one, or Fast-dLLM v2's sub-block
   (`sub_block_length`) and lone first token (`first_token_alone`).
 
@@ -27,7 +29,7 @@ from .sampling import add_gumbel_noise, confidence_scores, filter_logits
 class CommitRule:
     name: str
     kind: str  # "order": ranks masks; "count": how many masks a step commits; "edit": re-decides committed tokens;
-    # "candidates": which masks of the block a step may commit
+    # "candidates": which masks of the block a step may commit; "credit": raises the logits a step reads
     source: str
 
 
@@ -53,6 +55,9 @@ _register("sub_block_length", "candidates", "Fast-dLLM v2 batch_sample (small_bl
           "block's first unfinished sub-block")
 _register("first_token_alone", "candidates", "Fast-dLLM v2 batch_sample: a block's first token comes alone from the "
           "previous position's logits (the forward that completes the previous block)")
+_register("credit_alpha", "credit", "dInfer parallel_strategy.py CreditThresholdParallelDecoder (beside threshold): "
+          "logits + credit_alpha * log(1 + C), C per position and token of the block: each step decays it by "
+          "credit_decay and adds top-1 p ** credit_boost at the masks' top-1 tokens")
 _register("editing_threshold", "edit", "LLaDA2.1 generate (diffusers BlockRefinementScheduler editing_threshold): "
           "committed tokens of the block replaced where p > editing_threshold and the prediction differs")
 
@@ -74,6 +79,9 @@ class CommitSettings:
     editing_threshold: float | None = None
     sub_block_length: int | None = None
     first_token_alone: bool = False
+    credit_alpha: float | None = None
+    credit_boost: float = 0.2
+    credit_decay: float = 0.8
 
     @classmethod
     def from_config(cls, config) -> "CommitSettings":
@@ -81,7 +89,8 @@ class CommitSettings:
         return cls(temperature=config.sampling_temperature, top_k=config.top_k or None, top_p=config.top_p,
                    remasking=config.remasking, threshold=config.threshold, factor=config.factor,
                    entropy_bound=config.entropy_bound, editing_threshold=config.editing_threshold,
-                   sub_block_length=config.sub_block_length, first_token_alone=bool(config.first_token_alone))
+                   sub_block_length=config.sub_block_length, first_token_alone=bool(config.first_token_alone),
+                   credit_alpha=config.credit_alpha, credit_boost=config.credit_boost, credit_decay=config.credit_decay)
 
     @property
     def count_rule(self) -> str:
@@ -155,16 +164,35 @@ def editing_commits(probability, x0, current, editable, editing_threshold: float
     return editable & (probability > editing_threshold) & x0.ne(current)
 
 
+# ---- credit ---------------------------------------------------------------------------------------------------
+def credit_logits(logits: torch.Tensor, credit: torch.Tensor, masks: torch.Tensor, settings: CommitSettings):
+    """dInfer's credit fusion, one step: credit (B, W, V) float32, zeros at a block start, updated in place (decayed,
+    then each mask's top-1 token of this step's float32 softmax gains p ** credit_boost) -> the logits every later
+    part of the step reads, logits + credit_alpha * log(credit + 1) (float32, as the source's sum promotes)."""
+    credit.mul_(settings.credit_decay)  # the source skips this at a block's first step, where credit is all 0
+    top1, index = logits.float().softmax(-1).max(-1)
+    gain = top1.pow(settings.credit_boost) * masks.to(top1.dtype)
+    credit.scatter_add_(-1, index.unsqueeze(-1), gain.unsqueeze(-1))
+    return logits + settings.credit_alpha * torch.log(credit + 1)
+
+
 # ---- one step -----------------------------------------------------------------------------------------------
 def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.Tensor, settings: CommitSettings,
                 budget: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                editable: torch.Tensor | None = None, mask_index: torch.Tensor | None = None):
+                editable: torch.Tensor | None = None, mask_index: torch.Tensor | None = None,
+                credit: torch.Tensor | None = None):
     """One step's decision for rows sharing `settings`.
 
     logits (B, W, V) of the window; current (B, W) its tokens; candidates (B, W) bool: the masks this step may
     commit; budget (B,): LLaDA's count (count rule "budget"); editable (B, W) bool: committed tokens that
-    `editing_threshold` may replace; mask_index (1,) the [MASK] id, never a candidate.
+    `editing_threshold` may replace; mask_index (1,) the [MASK] id, never a candidate; credit (B, W, V) float32:
+    the rows' credit (`credit_alpha`), updated in place at the candidates (every mask of the block: credit takes no
+    sub-blocks).
     -> (tokens (B, W): the window after the step, edited (B,) bool: some token was re-decided)."""
+    if settings.credit_alpha is not None:
+        if credit is None:
+            raise ValueError("decide_step: credit_alpha needs the rows' credit state (credit=, zeros at a block start)")
+        logits = credit_logits(logits, credit, candidates, settings)
     masked_logits = logits if mask_index is None else logits.index_fill(-1, mask_index, -torch.inf)
     filtered = filter_logits(masked_logits, settings.top_k, settings.top_p)
     x0 = add_gumbel_noise(filtered, settings.temperature, generator).argmax(-1)
@@ -193,5 +221,5 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
 
 
 __all__ = ["COMMIT_RULES", "COUNT_RULES", "REMASKING", "CommitRule", "CommitSettings", "block_candidates",
-           "budget_commits",
+           "budget_commits", "credit_logits",
            "decide_step", "editing_commits", "entropy_bound_commits", "factor_commits", "threshold_commits"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from transformers import GenerationConfig
 
 from ..utils.errors import FieldError
@@ -42,6 +44,13 @@ DLM_GENERATION_FIELDS = {
     "editing_threshold": (None, "LLaDA2.1 token editing, beside threshold: each step also replaces committed tokens of "
                           "the current block whose new prediction differs with probability > editing_threshold; a block "
                           "ends at a mask-free step without edits or after max_post_steps mask-free steps"),
+    "credit_alpha": (None, "dInfer's credit decoding (CreditThresholdParallelDecoder, its credit_alpha; 0.7 there), "
+                     "beside threshold: each step of a block adds to a credit per position and token (the masks' "
+                     "top-1 token gains p ** credit_boost, the whole credit decays by credit_decay first) and "
+                     "decides on logits + credit_alpha * log(1 + credit), so tokens predicted at earlier steps commit "
+                     "sooner; reset at every block; keeps block x vocabulary floats per row"),
+    "credit_boost": (0.2, "credit_alpha: the exponent of the top-1 probability added to the credit (dInfer boost_gamma)"),
+    "credit_decay": (0.8, "credit_alpha: the credit's decay per step (dInfer decay_beta)"),
     "max_post_steps": (16, "token editing: mask-free forwards a block may take at most (LLaDA2.1's max_post_steps)"),
     "cache": ("none", f"KV cache, one of {CACHE_MODES}; approximate for bidirectional models (Fast-dLLM), "
               "exact for attention_mode='block' models (prefix and dual mean the same there)"),
@@ -162,6 +171,7 @@ class DLMGenerationConfig(GenerationConfig):
             if self.threshold is None:
                 fail("editing_threshold", "used beside threshold (LLaDA2.1: threshold for masks, editing_threshold "
                      "for committed tokens); set threshold too or")
+        self._validate_credit(fail)
         if not isinstance(self.max_post_steps, int) or isinstance(self.max_post_steps, bool) or self.max_post_steps < 1:
             fail("max_post_steps", "an integer >= 1")
         for name in ("steps", "block_length", "max_new_tokens", "sub_block_length"):
@@ -182,6 +192,30 @@ class DLMGenerationConfig(GenerationConfig):
         if (self.num_return_sequences or 1) > 1 and not self.do_sample:
             raise ValueError(f"DLMGenerationConfig.num_return_sequences={self.num_return_sequences} needs "
                              "do_sample=True (greedy decoding would return identical copies), as in transformers")
+
+    def _validate_credit(self, fail):
+        if not 0.0 <= float(self.credit_boost) < math.inf:
+            fail("credit_boost", ">= 0 and finite")
+        if not 0.0 <= float(self.credit_decay) <= 1.0:
+            fail("credit_decay", "in [0, 1]")
+        if self.credit_alpha is None:
+            return
+        if not 0.0 <= float(self.credit_alpha) < math.inf:
+            fail("credit_alpha", ">= 0 and finite")
+        # dInfer's credit is a threshold decoder's over a whole block's masks, ranked by probability
+        others = {"factor": self.factor, "entropy_bound": self.entropy_bound, "editing_threshold": self.editing_threshold,
+                  "sub_block_length": self.sub_block_length, "first_token_alone": self.first_token_alone or None}
+        given = [name for name, value in others.items() if value is not None]
+        if given:
+            raise FieldError("credit_alpha", f"DLMGenerationConfig.credit_alpha (dInfer's credit decoding) works with "
+                             f"threshold only, not with {', '.join(given)}; unset one of them", self.credit_alpha)
+        if self.threshold is None:
+            raise FieldError("credit_alpha", "DLMGenerationConfig.credit_alpha (dInfer's credit decoding) is used beside "
+                             f"threshold; set threshold too, got credit_alpha={self.credit_alpha!r} alone",
+                             self.credit_alpha)
+        if self.remasking != "low_confidence":
+            raise FieldError("credit_alpha", "DLMGenerationConfig.credit_alpha decides on token probabilities "
+                             f"(remasking='low_confidence'), got remasking={self.remasking!r}", self.credit_alpha)
 
 
 __all__ = ["DLMGenerationConfig", "DLM_GENERATION_FIELDS", "REMASKING", "UNSUPPORTED"]

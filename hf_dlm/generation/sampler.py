@@ -10,7 +10,8 @@ semantics):
 candidates `x0 = argmax(logits + Gumbel noise at temperature T)` (float64 noise; T = 0 is argmax), a
 confidence per position (`remasking`), -inf after the current block and on committed tokens, then the
 `num_transfer_tokens` most confident masked positions are committed (or, with `threshold`, every one
-whose confidence is >= threshold and at least the best). Masks inside the prompt (infilling) compete
+whose confidence is >= threshold and at least the best; `credit_alpha`, dInfer's credit decoding, decides on logits
+raised by a credit each row keeps over its block's steps). Masks inside the prompt (infilling) compete
 with the current block, as in LLaDA. Fast-dLLM v2 narrows a step's candidates (`block_candidates`): the first
 sub-block of `sub_block_length` with masks left, and a block's first token alone (`first_token_alone`).
 
@@ -394,6 +395,7 @@ class DiffusionSampler:
                 block_end = pads + (torch.div(end - 1 - pads, size, rounding_mode="floor") + 1) * size
                 query_lo, key_end = int(block_start.min()), min(total, int(block_end.max()))
             step = forwards = 0
+            credit = None  # dInfer's credit (credit_alpha): (batch, W, V), zeros at every block start
             if editing:  # LLaDA2.1: a block ends at a mask-free step without edits, or after max_post_steps of them
                 settled = torch.zeros_like(done)
                 post_steps = torch.zeros(batch, dtype=torch.long, device=device)
@@ -435,8 +437,15 @@ class DiffusionSampler:
                     editable = ~masks
                     editable[:, : start - window[0]] = False
                 row_budget = None if parallel else budget[rows, step]
+                row_credit = None
+                if settings.credit_alpha is not None:
+                    if credit is None:
+                        credit = logits.new_zeros((batch, *logits.shape[1:]), dtype=torch.float32)
+                    row_credit = credit[rows]  # a copy for an index tensor: written back below
                 tokens, edited = decide_step(logits, current, candidates, settings, row_budget, self.generator, editable,
-                                             self.mask_index)
+                                             self.mask_index, row_credit)
+                if row_credit is not None:
+                    credit[rows] = row_credit
                 if isinstance(rows, slice):
                     tokens = torch.where(active.unsqueeze(1), tokens, current)
                 canvas[rows, window[0] : window[1]] = tokens

@@ -73,12 +73,18 @@ class SamplingParams:
     schedule_eps: float = 1e-3
     sub_block_length: int | None = None
     first_token_alone: bool = False
+    credit_alpha: float | None = None  # dInfer's credit decoding, beside threshold
+    credit_boost: float = 0.2
+    credit_decay: float = 0.8
 
     @property
     def settings(self) -> CommitSettings:
-        return CommitSettings(self.temperature, self.top_k or None, self.top_p, self.remasking, self.threshold,
-                              self.factor, self.entropy_bound, self.editing_threshold, self.sub_block_length,
-                              self.first_token_alone)
+        return CommitSettings(
+            temperature=self.temperature, top_k=self.top_k or None, top_p=self.top_p, remasking=self.remasking,
+            threshold=self.threshold, factor=self.factor, entropy_bound=self.entropy_bound,
+            editing_threshold=self.editing_threshold, sub_block_length=self.sub_block_length,
+            first_token_alone=self.first_token_alone, credit_alpha=self.credit_alpha, credit_boost=self.credit_boost,
+            credit_decay=self.credit_decay)
 
     @classmethod
     def from_generation_config(cls, generation_config, attention_mode: str = "bidirectional",
@@ -111,7 +117,8 @@ class SamplingParams:
                    entropy_bound=config.entropy_bound, editing_threshold=config.editing_threshold,
                    max_post_steps=config.max_post_steps, align_blocks=config.align_blocks, schedule=config.schedule,
                    schedule_eps=config.schedule_eps, sub_block_length=config.sub_block_length,
-                   first_token_alone=config.first_token_alone)
+                   first_token_alone=config.first_token_alone, credit_alpha=config.credit_alpha,
+                   credit_boost=config.credit_boost, credit_decay=config.credit_decay)
 
 
 @dataclass
@@ -152,7 +159,8 @@ def decode_answer(tokenizer, generated: list[int], eos_ids, stops: list[str], ma
 
 
 class _Row:
-    """A request's decoding state: its lanes in the storage and its schedule."""
+    """A request's decoding state: its lanes in the storage, its schedule and, with `credit_alpha`, its credit over
+    the current block (width, V), None at a block start."""
 
     def __init__(self, request: GenerationRequest, lane: int, uncond_lane: int | None, shift: int,
                  device: torch.device):
@@ -164,6 +172,7 @@ class _Row:
                                     self.settings, params.cache, params.max_post_steps, shift, params.align_blocks,
                                     params.schedule, params.schedule_eps)
         self.generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
+        self.credit: torch.Tensor | None = None
 
     @property
     def lanes(self) -> list[int]:
@@ -448,8 +457,17 @@ class ContinuousBatchingEngine:
         editable = ~masks & valid if settings.editing_threshold is not None else None
         if settings.count_rule != "budget":
             budget = None
+        credit = None
+        if settings.credit_alpha is not None:  # the rows' own credits, side by side (zeros at a block start)
+            credit = torch.zeros((len(group), width, logits.shape[-1]), dtype=torch.float32, device=self.device)
+            for i, row in enumerate(group):
+                if row.credit is not None:
+                    credit[i, : row.credit.shape[0]] = row.credit
         tokens, edited = decide_step(logits[:, :width], current, candidates, settings, budget, group[0].generator,
-                                     editable, self.mask_index)
+                                     editable, self.mask_index, credit)
+        if credit is not None:
+            for i, row in enumerate(group):
+                row.credit = credit[i, : row.schedule.width]
         self.storage.canvas[lanes, cols] = tokens
         return torch.stack([(tokens.eq(self.mask_id) & valid).any(1), masks.any(1), edited], 1)
 
@@ -461,6 +479,7 @@ class ContinuousBatchingEngine:
 
     def _end_block(self, row: _Row):
         request, params = row.request, row.params
+        row.credit = None  # dInfer's credit is per block
         start, end = row.schedule.window
         end = min(end, row.schedule.output_length)  # aligned blocks: the last one runs past max_new_tokens
         new_tokens = self.storage.canvas[row.lane, start:end].tolist()

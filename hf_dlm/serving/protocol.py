@@ -25,7 +25,8 @@ MAX_CHOICES = 16
 OPENAI_TO_DLM = {"max_tokens": "max_new_tokens"}
 DLM_TO_OPENAI = {dlm: openai for openai, dlm in OPENAI_TO_DLM.items()}
 SAMPLER_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "steps", "block_length", "threshold", "cache",
-                  "remasking", "cfg_scale", "factor", "entropy_bound", "editing_threshold", "max_post_steps")
+                  "remasking", "cfg_scale", "factor", "entropy_bound", "editing_threshold", "max_post_steps",
+                  "credit_alpha", "credit_boost", "credit_decay")
 
 
 class _Strict(BaseModel):
@@ -57,6 +58,9 @@ class SamplingFields(_Strict):
                                             description=DLM_GENERATION_FIELDS["editing_threshold"][1])
     # bounded: each mask-free step of a block is a forward
     max_post_steps: int | None = Field(None, ge=1, le=256, description=DLM_GENERATION_FIELDS["max_post_steps"][1])
+    credit_alpha: float | None = Field(None, ge=0.0, le=1e6, description=DLM_GENERATION_FIELDS["credit_alpha"][1])
+    credit_boost: float | None = Field(None, ge=0.0, le=1e6, description=DLM_GENERATION_FIELDS["credit_boost"][1])
+    credit_decay: float | None = Field(None, ge=0.0, le=1.0, description=DLM_GENERATION_FIELDS["credit_decay"][1])
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

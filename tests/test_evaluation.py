@@ -257,7 +257,9 @@ def test_greedy_check_is_validated_by_name(setup):
         make_lm(setup, greedy_check="sometimes")
 
 
-@pytest.mark.parametrize("rule", [dict(factor=1.0, cache="dual"), dict(threshold=0.5, editing_threshold=0.3)])
+@pytest.mark.parametrize("rule", [dict(factor=1.0, cache="dual"), dict(threshold=0.5, editing_threshold=0.3),
+                                  # credit: a setting whose tokens differ from plain threshold 0.05 on this model
+                                  dict(threshold=0.05, credit_alpha=5.0, credit_decay=1.0, cache="dual")])
 def test_generate_until_runs_the_decoding_core_with_its_commit_rules(setup, rule):
     # model args as lm-eval passes them (strings) reach the engine: the answer equals model.generate's
     _, model, tokenizer = setup

@@ -44,14 +44,15 @@ class DLMEvalHarness(LM):
                  steps: int | None = None, threshold: float | None = None, temperature: float = 0.0,
                  remasking: str | None = None, cache: str | None = None, greedy_check: str = "one_forward",
                  subs: bool | str = False, factor: float | None = None, entropy_bound: float | None = None,
-                 editing_threshold: float | None = None, compile=None, **unused):
+                 editing_threshold: float | None = None, credit_alpha: float | None = None,
+                 credit_boost: float | None = None, credit_decay: float | None = None, compile=None, **unused):
         """pretrained: checkpoint folder (or pass `model` and `tokenizer` objects); peft: a LoRA adapter folder;
         mc_num: ELBO draws per request (LLaDA uses 128); steps: sampler steps for generate_until (default:
         one token per step); greedy_check: "one_forward" (default) or "iterative" (LLaDA's
         suffix_greedy_prediction), see the module docstring; subs: the model was trained with the objective's
         subs=True (the `mdlm` preset): [MASK] is removed from the softmax when scoring; remaining generation
         knobs as in `model.generate` (generate_until runs the decoding core's engine: factor / entropy_bound /
-        editing_threshold commit rules, compile for its compiled step)."""
+        editing_threshold / credit_* commit rules, compile for its compiled step)."""
         super().__init__()
         if unused:
             raise TypeError(f"hf-dlm lm-eval model: unknown model_args {sorted(unused)}")
@@ -80,8 +81,11 @@ class DLMEvalHarness(LM):
         self.steps = None if steps is None else int(steps)
         self.threshold = None if threshold is None else float(threshold)
         self.temperature, self.remasking, self.cache = float(temperature), remasking, cache
-        self.rules = {name: None if value is None else float(value) for name, value in
-                      (("factor", factor), ("entropy_bound", entropy_bound), ("editing_threshold", editing_threshold))}
+        rules = dict(factor=factor, entropy_bound=entropy_bound, editing_threshold=editing_threshold,
+                     credit_alpha=credit_alpha, credit_boost=credit_boost, credit_decay=credit_decay)
+        # unset credit_boost / credit_decay keep the sampler's defaults (dInfer's)
+        self.rules = {name: None if value is None else float(value) for name, value in rules.items()
+                      if value is not None or name not in ("credit_boost", "credit_decay")}
         self.compile = {"true": True, "false": None, "none": None}.get(str(compile).lower(), compile)
         self.max_batch_size = int(max_batch_size or self.batch_size)
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id

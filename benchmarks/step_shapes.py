@@ -1,6 +1,8 @@
-"""How many CUDA graphs the serving engine captures, run by run, on the schedules of serving_throughput.py's
-core part (all at once; requests arriving one per `--arrival-every` engine steps). CPU only, seconds: the
-step shapes depend on the lengths, not on the model's width, so a one-layer model stands in for the 8B one.
+"""How many CUDA graphs the serving engine captures and how many graphs Dynamo compiles, run by run, on the
+schedules of serving_throughput.py's core part (all at once; requests arriving one per `--arrival-every` engine
+steps). CPU only, seconds: the step shapes depend on the lengths, not on the model's width, so a one-layer
+model stands in for the 8B one, and the engine's compile runs Dynamo without Inductor (`compile="eager"`):
+on the GPU each Dynamo graph is a whole-model Inductor compile.
 
 A compiled engine step is replayed from a CUDA graph per bucketed shape, captured the second time the shape is
 seen (`StepGraphs`); a capture runs the forward three times. A schedule whose shapes occur once per run
@@ -32,21 +34,26 @@ def parse_args():
 
 
 class CountedGraph:
-    """CPU stand-in for `CapturedStep` (a CUDA graph): runs the forward; the engine counts its captures."""
+    """CPU stand-in for `CapturedStep` (a CUDA graph): inputs copied into buffers made at capture, then the forward
+    (a real graph replays its kernels without calling Dynamo again); the engine counts the captures."""
 
     def __init__(self, forward, tensors, fixed):
         self.forward, self.fixed = forward, fixed
+        self.inputs = {name: None if t is None else t.clone() for name, t in tensors.items()}
 
     def __call__(self, tensors):
-        return self.forward(**tensors, **self.fixed)
+        for name, t in tensors.items():
+            if t is not None:
+                self.inputs[name].copy_(t)
+        return self.forward(**self.inputs, **self.fixed)
 
 
 def main():
     import torch
+    from torch._dynamo.utils import counters
 
     from hf_dlm import DLMConfig, DLMForDiffusionLM
     from hf_dlm.generation import compiled_step
-    from hf_dlm.generation.slot_cache import ragged_forward
     from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
 
     args = parse_args()
@@ -62,9 +69,12 @@ def main():
                    cache="dual", temperature=0.0, stop_on_eos=False)
     report = []
     for name, every in (("all at once", 0), (f"one per {args.arrival_every} steps", args.arrival_every)):
+        torch._dynamo.reset()
+        counters.clear()
         engine = ContinuousBatchingEngine(model, max_batch_size=args.requests, max_waiting=4 * args.requests,
-                                          max_length=args.prompt_tokens + args.new_tokens, preallocate=True)
-        engine.compiled, engine.captures = ragged_forward, True  # the bucketed, captured path, eager kernels
+                                          max_length=args.prompt_tokens + args.new_tokens, preallocate=True,
+                                          compile="eager")
+        engine.captures = True  # the captured path, `CountedGraph` standing in for the CUDA graphs
         for run in range(1, args.runs + 1):
             before = dict(engine.stats)
             pending, step = [GenerationRequest(p.tolist(), engine.sampling_params(**options)) for p in prompts], 0
@@ -78,16 +88,19 @@ def main():
                     step += 1
             row = {"schedule": name, "run": run, "engine_steps": engine.stats["engine_steps"] - before["engine_steps"],
                    "shapes_seen": len(engine.graphs.graphs),
-                   "captures": engine.stats["graph_captures"] - before["graph_captures"]}
+                   "captures": engine.stats["graph_captures"] - before["graph_captures"],
+                   "dynamo_graphs_so_far": counters["stats"]["unique_graphs"]}
             report.append(row)
             print(json.dumps(row), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "step_shapes.json"), "w") as f:
         json.dump({"args": vars(args), "runs": report}, f, indent=2)
-    print("| schedule | run | engine steps | distinct shapes seen so far | graphs captured in the run |")
-    print("|---|---|---|---|---|")
+    print("| schedule | run | engine steps | distinct shapes seen so far | graphs captured in the run "
+          "| Dynamo graphs so far |")
+    print("|---|---|---|---|---|---|")
     for r in report:
-        print(f"| {r['schedule']} | {r['run']} | {r['engine_steps']} | {r['shapes_seen']} | {r['captures']} |")
+        print(f"| {r['schedule']} | {r['run']} | {r['engine_steps']} | {r['shapes_seen']} | {r['captures']} "
+              f"| {r['dynamo_graphs_so_far']} |")
 
 
 if __name__ == "__main__":

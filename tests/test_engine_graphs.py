@@ -66,3 +66,19 @@ def test_preallocation_needs_a_length_and_refuses_longer_requests():
     with pytest.raises(ValueError, match="max_length"):
         ContinuousBatchingEngine(model, max_length=200)
     assert ContinuousBatchingEngine(model).storage.lanes == 0  # on CPU, eager: the storage grows as rows need
+
+
+def test_compiled_step_compiles_once_across_row_counts_and_phases():
+    # rows alone and joined, refresh and window steps, cached and uncached rows: one Dynamo graph (dynamic sizes).
+    # Each recompile is a whole-model Inductor compile (minutes at 8B): duck sizing would have turned equal sizes
+    # (rows and lanes, queries and LM-head columns) into guards, and a single row into a case of its own
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("sdpa", eos_token_id=5, max_position_embeddings=96)
+    engine, cases, _ = long_run(model, preallocate=True)
+    for ids, options, request in cases:
+        assert request.generated == model.generate(torch.tensor([ids]), **options)[0, len(ids):].tolist(), options
+    assert engine.stats["forward_passes"] > 40
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

@@ -85,7 +85,9 @@ class RaggedStep:
         tensors["head_index"] (rows, max count), later columns repeating the last; extra: per-row integer lists
         sent to the device with the rest (one host-to-device copy per step)."""
         b, total, width = len(lanes), sum(lengths), max(lengths)
-        rows = bucket(b) if buckets else b
+        # at least two rows: a size of 1 is a case of its own for the compiler (a recompile of the whole model);
+        # a filler row has no tokens, only its attention row and LM-head columns
+        rows = max(bucket(b), 2) if buckets else b
         self.num_tokens = bucket(total) if buckets else total
         width = bucket(width) if buckets else width
         filler = rows - b

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from ..generation.configuration import DLMGenerationConfig
 from ..generation.commit_rules import CommitSettings, block_candidates, decide_step
@@ -413,7 +414,10 @@ class ContinuousBatchingEngine:
             self.graphs_storage = storage
         keys, values = self._layers(self.storage.keys), self._layers(self.storage.values)
         captured = self.graphs.captured
-        with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_GRAPHS):
+        # no duck sizing: sizes that happen to be equal (rows and lanes, queries and LM-head columns) would become
+        # guards, and each later step that breaks one would recompile the whole model
+        with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_GRAPHS), \
+                fx_config.patch(use_duck_shape=False):
             logits = self.graphs(self.compiled, tensors, keys=keys, values=values)
         self.stats["graph_captures"] += self.graphs.captured - captured
         return logits

@@ -302,6 +302,19 @@ def _sync():
 ARRIVAL_RUNS = 3
 
 
+def drive(engine, requests, every: int = 0) -> None:
+    """Submits `requests` to `engine` all at once (`every` 0) or one per `every` engine steps, and steps it until
+    idle (the core part's schedules; benchmarks/step_shapes.py replays them)."""
+    pending, step = list(requests), 0
+    while pending or engine.has_work():
+        if pending and (every == 0 or step % every == 0):
+            take = len(pending) if every == 0 else 1
+            engine.submit(pending[:take])
+            pending = pending[take:]
+        engine.step()
+        step += 1
+
+
 def core_benchmark(model, args, report):
     """generate vs engine on equal requests (all at once), and the engine with requests arriving over time."""
     import torch
@@ -331,14 +344,8 @@ def core_benchmark(model, args, report):
             last_requests[:] = requests
             before = {name: engine.stats[name] for name in ("engine_steps", "forward_passes", "graph_captures")}
             _sync()
-            start, pending, step = time.perf_counter(), list(requests), 0
-            while pending or engine.has_work():
-                if pending and (every == 0 or step % every == 0):
-                    take = len(pending) if every == 0 else 1
-                    engine.submit(pending[:take])
-                    pending = pending[take:]
-                engine.step()
-                step += 1
+            start = time.perf_counter()
+            drive(engine, requests, every)
             _sync()
             wall = time.perf_counter() - start
             return (sum(len(r.generated) for r in requests) / wall,

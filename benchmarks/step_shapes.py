@@ -55,6 +55,7 @@ def main():
     from hf_dlm import DLMConfig, DLMForDiffusionLM
     from hf_dlm.generation import compiled_step
     from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
+    from serving_throughput import drive  # the same schedules (this script's folder is on sys.path)
 
     args = parse_args()
     if args.tiny:
@@ -77,15 +78,9 @@ def main():
         engine.captures = True  # the captured path, `CountedGraph` standing in for the CUDA graphs
         for run in range(1, args.runs + 1):
             before = dict(engine.stats)
-            pending, step = [GenerationRequest(p.tolist(), engine.sampling_params(**options)) for p in prompts], 0
             with torch.inference_mode():
-                while pending or engine.has_work():
-                    if pending and (every == 0 or step % every == 0):
-                        take = len(pending) if every == 0 else 1
-                        engine.submit(pending[:take])
-                        pending = pending[take:]
-                    engine.step()
-                    step += 1
+                drive(engine, [GenerationRequest(p.tolist(), engine.sampling_params(**options)) for p in prompts],
+                      every)
             row = {"schedule": name, "run": run, "engine_steps": engine.stats["engine_steps"] - before["engine_steps"],
                    "shapes_seen": len(engine.graphs.graphs),
                    "captures": engine.stats["graph_captures"] - before["graph_captures"],

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import os
 import statistics
@@ -45,6 +46,8 @@ def parse_args():
     p.add_argument("--arrivals", type=int, default=64, help="requests of the arrivals run (0: no arrivals run)")
     p.add_argument("--arrival-every", type=int, default=8, help="engine steps between two arrivals")
     p.add_argument("--compile", default="true", help="'true', 'none' or a DLMGenerationConfig.compile value")
+    p.add_argument("--float8-weights", default="bf16,float8", help="the float8 part's runs, in this order: bf16, "
+                   "float8 (row scales), float8-tensor (tensor scales); the share of equal tokens needs bf16")
     p.add_argument("--clients", default="16,64")
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -56,6 +59,8 @@ def parse_args():
     p.add_argument("--eval-docs", type=int, default=250)
     p.add_argument("--mc-num", type=int, default=16)
     p.add_argument("--eval-batch-size", type=int, default=64)
+    p.add_argument("--stacks-every", type=float, default=0, help="print every thread's Python stack to stderr each "
+                   "this many seconds (0: never): where a part that prints nothing for minutes is")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p.parse_args()
 
@@ -166,6 +171,7 @@ def serve_benchmark(model, tokenizer, args, report):
     server = ThreadedServer(create_app(engine, tokenizer, settings, log=print))
     rng, vocab = random.Random(0), model.config.vocab_size
     try:
+        log("http: warm-up, 2 requests (the engine's first compiled steps compile and capture)")
         asyncio.run(run_level(server.url, 2, argparse.Namespace(**{**vars(args), "requests_per_client": 1}), vocab,
                               rng))  # warm-up: kernels, allocator
         alone = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=4096,
@@ -412,10 +418,15 @@ def float8_benchmark(model, args, report):
     options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, steps=args.new_tokens,
                    cache="dual", temperature=0.0, stop_on_eos=False, compile=compile_value(args))
     rows, report["float8"] = {}, {"batch": 1}
-    for name in ("bf16", "float8"):
-        if name == "float8":
-            log("float8: quantizing a copy of the model")
-        target = model if name == "bf16" else quantize_float8_for_decoding(copy.deepcopy(model))
+    granularity = {"float8": "row", "float8-tensor": "tensor"}
+    names = args.float8_weights.split(",")
+    if set(names) - {"bf16", *granularity}:
+        raise SystemExit(f"--float8-weights: unknown {sorted(set(names) - {'bf16', *granularity})} "
+                         f"(choose from bf16, {', '.join(granularity)})")
+    for name in names:
+        if name != "bf16":
+            log(f"float8: quantizing a copy of the model ({granularity[name]} scales)")
+        target = model if name == "bf16" else quantize_float8_for_decoding(copy.deepcopy(model), granularity[name])
         for attempt in range(2):  # the first run compiles and captures
             log(f"float8: {name} generate run {attempt + 1} of 2")
             _sync()
@@ -427,7 +438,8 @@ def float8_benchmark(model, args, report):
         report["float8"][f"{name}_tok_s"] = round(args.new_tokens / wall, 1)
         dump(report, args)  # each figure as soon as it exists
         del target
-    report["float8"]["tokens_equal_to_bf16"] = round(float((rows["float8"] == rows["bf16"]).float().mean()), 3)
+    for name in sorted(set(rows) - {"bf16"}) if "bf16" in rows else ():
+        report["float8"][f"{name}_tokens_equal_to_bf16"] = round(float((rows[name] == rows["bf16"]).float().mean()), 3)
     print(json.dumps(report["float8"]), flush=True)
     dump(report, args)
 
@@ -440,6 +452,8 @@ def dump(report, args):
 
 def main():
     args = parse_args()
+    if args.stacks_every > 0:
+        faulthandler.dump_traceback_later(args.stacks_every, repeat=True)
     if args.tiny:
         args.clients, args.max_tokens, args.block_length, args.steps = "1,4", 8, 4, 4
         args.prompt_tokens, args.eval_docs, args.mc_num, args.eval_batch_size = 8, 10, 2, 8

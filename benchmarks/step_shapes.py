@@ -9,6 +9,11 @@ seen (`StepGraphs`); a capture runs the forward three times. A schedule whose sh
 captures them during its second run: the count says how many runs a benchmark must repeat before its timed
 run is the engine's steady state.
 
+It also counts the padding of each schedule's steps: packed tokens (the GEMMs' rows) and attention query-key
+pairs, bucketed against real. A step's attention pads every row to the widest row's query count, so a step that
+mixes a row at a block start (a refresh: the whole canvas) with rows mid-block (the block) computes the block
+rows' attention at the canvas width.
+
     python benchmarks/step_shapes.py            # the GPU benchmark's sizes (64 + 256 tokens, block 32, 64 rows)
     python benchmarks/step_shapes.py --tiny     # small sizes (the test suite)
 """
@@ -48,6 +53,23 @@ class CountedGraph:
         return self.forward(**self.inputs, **self.fixed)
 
 
+class WorkCounter:
+    """Wraps `StepGraphs.__call__`: per step, packed tokens and attention query-key pairs, bucketed and real."""
+
+    def __init__(self, call):
+        self.call, self.totals = call, dict.fromkeys(("tokens", "real_tokens", "pairs", "real_pairs"), 0)
+
+    def __call__(self, graphs, forward, tensors, **fixed):
+        mask, slots = tensors["mask"], tensors["token_slot"]  # (rows, 1, Q, K), (T,)
+        real = slots != fixed["keys"][0].shape[1] - 1  # not the trash slot
+        rows, qpos = tensors["token_row"][real], tensors["token_qpos"][real]
+        self.totals["tokens"] += slots.numel()
+        self.totals["real_tokens"] += int(real.sum())
+        self.totals["pairs"] += mask.shape[0] * mask.shape[2] * mask.shape[3]
+        self.totals["real_pairs"] += int(mask[rows, 0, qpos].sum())
+        return self.call(graphs, forward, tensors, **fixed)
+
+
 def main():
     import torch
     from torch._dynamo.utils import counters
@@ -61,6 +83,8 @@ def main():
     if args.tiny:
         args.prompt_tokens, args.new_tokens, args.block_length, args.requests, args.arrival_every = 8, 32, 8, 8, 2
     compiled_step.CapturedStep = CountedGraph
+    work = WorkCounter(compiled_step.StepGraphs.__call__)
+    compiled_step.StepGraphs.__call__ = lambda graphs, forward, tensors, **fixed: work(graphs, forward, tensors, **fixed)
     config = DLMConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=2, head_dim=16, mask_token_id=127,
                        max_position_embeddings=args.prompt_tokens + args.new_tokens)
@@ -77,7 +101,7 @@ def main():
                                           compile="eager")
         engine.captures = True  # the captured path, `CountedGraph` standing in for the CUDA graphs
         for run in range(1, args.runs + 1):
-            before = dict(engine.stats)
+            before, work_before = dict(engine.stats), dict(work.totals)
             with torch.inference_mode():
                 drive(engine, [GenerationRequest(p.tolist(), engine.sampling_params(**options)) for p in prompts],
                       every)
@@ -85,17 +109,20 @@ def main():
                    "shapes_seen": len(engine.graphs.graphs),
                    "captures": engine.stats["graph_captures"] - before["graph_captures"],
                    "dynamo_graphs_so_far": counters["stats"]["unique_graphs"]}
+            done = {name: work.totals[name] - work_before[name] for name in work.totals}
+            row.update(token_padding=round(done["tokens"] / done["real_tokens"], 3),
+                       attention_padding=round(done["pairs"] / done["real_pairs"], 3), **done)
             report.append(row)
             print(json.dumps(row), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "step_shapes.json"), "w") as f:
         json.dump({"args": vars(args), "runs": report}, f, indent=2)
     print("| schedule | run | engine steps | distinct shapes seen so far | graphs captured in the run "
-          "| Dynamo graphs so far |")
-    print("|---|---|---|---|---|---|")
+          "| Dynamo graphs so far | packed tokens / real | attention pairs / real |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in report:
         print(f"| {r['schedule']} | {r['run']} | {r['engine_steps']} | {r['shapes_seen']} | {r['captures']} "
-              f"| {r['dynamo_graphs_so_far']} |")
+              f"| {r['dynamo_graphs_so_far']} | {r['token_padding']} | {r['attention_padding']} |")
 
 
 if __name__ == "__main__":

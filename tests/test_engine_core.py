@@ -270,6 +270,30 @@ def test_serving_throughput_benchmark_tiny_core_part(tmp_path):
     assert all(r["tokens_equal_to_generate"] > 0.9 for r in report["core"] if r["arrival"] == "all at once")
 
 
+def test_step_shapes_counts_the_attention_padding_of_a_step_mixing_a_refresh_and_a_window(monkeypatch):
+    # hand count: a refresh row (8 queries) beside a window row (2 queries), both against 8 keys. The step pads
+    # every row to 8 queries: 2 rows x 8 x 8 = 128 pairs computed for 8 x 8 + 2 x 8 = 80 real; 10 packed
+    # tokens are a bucket size already (no token padding)
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    from step_shapes import WorkCounter
+
+    from hf_dlm.generation.slot_cache import RaggedStep, SlotStorage
+
+    storage = SlotStorage(torch.device("cpu"), 0)
+    storage.reserve(2, 8)
+    step = RaggedStep(storage, [0, 1], [0, 6], [8, 2], [8, 8], buckets=True)
+    counter = WorkCounter(lambda graphs, forward, tensors, **fixed: "called")
+    keys = [torch.zeros(2, storage.capacity + 1, 1, 1)]
+    assert counter(None, None, step.tensors, keys=keys) == "called"
+    assert counter.totals == {"tokens": 10, "real_tokens": 10, "pairs": 128, "real_pairs": 80}
+    step = RaggedStep(storage, [0, 1, 0], [0, 6, 0], [8, 2, 7], [8, 8, 8], buckets=True)  # 17 tokens -> 18
+    counter(None, None, step.tensors, keys=keys)
+    assert counter.totals["tokens"] - 10 == 18 and counter.totals["real_tokens"] - 10 == 17
+    assert counter.totals["pairs"] - 128 == 3 * 8 * 8 and counter.totals["real_pairs"] - 80 == 64 + 16 + 56
+
+
 def test_float8_decoding_takes_the_decoder_projections_and_refuses_without_a_float8_gpu():
     from hf_dlm.generation.float8 import float8_decoding_filter, quantize_float8_for_decoding
 
@@ -281,6 +305,31 @@ def test_float8_decoding_takes_the_decoder_projections_and_refuses_without_a_flo
         pytest.importorskip("torchao")
         with pytest.raises(RuntimeError, match="compute capability >= 8.9"):
             quantize_float8_for_decoding(model)
+
+
+def test_float8_decoding_leaves_the_process_inductor_settings_alone(monkeypatch):
+    # torchao's float8 config turns on Inductor's coordinate-descent tuning and lowers the float32 matmul precision
+    # for the whole process by default: on the GPU the 8B decoder's first compile took 467 s instead of ~80.
+    # The float8 GEMM itself needs a float8 GPU; the weights convert on any device once the checks are bypassed.
+    pytest.importorskip("torchao")
+    import torch._inductor.config as inductor_config
+    from torchao.quantization import quant_api
+
+    from hf_dlm.generation import float8
+
+    monkeypatch.setattr(float8, "_require_float8_gpu", lambda device: None)
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
+    precision = torch.get_float32_matmul_precision()
+    for granularity in float8.GRANULARITIES:
+        model = tiny_model("sdpa").to(torch.bfloat16)
+        float8.quantize_float8_for_decoding(model, granularity)
+        assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "Float8Tensor"
+        assert model.lm_head.weight.dtype == torch.bfloat16  # the head stays in its dtype
+    assert inductor_config.coordinate_descent_tuning is False
+    assert torch.get_float32_matmul_precision() == precision
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        float8.quantize_float8_for_decoding(tiny_model("sdpa"), "block")
 
 
 def test_bucketed_step_whose_filler_rows_meet_an_exactly_bucketed_token_count_equals_the_plain_step():

@@ -22,18 +22,33 @@ def float8_decoding_filter(module: torch.nn.Module, name: str) -> bool:
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
-def quantize_float8_for_decoding(model: torch.nn.Module) -> torch.nn.Module:
-    """In place: the decoder projections of `model` in float8 (see the module docstring); returns the model.
-    Raises an ImportError naming the extra without torchao, a RuntimeError without a float8-capable GPU."""
-    require("torchao", "float8 decoding (quantize_float8_for_decoding)", "0.10")
-    device = next(model.parameters()).device
+GRANULARITIES = ("row", "tensor")  # scales: one per output row (weights) / token (activations), or one per tensor
+
+
+def _require_float8_gpu(device: torch.device) -> None:
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         raise RuntimeError(f"float8 decoding needs a CUDA GPU with compute capability >= 8.9 (the model is on "
                            f"{device}); keep bf16 weights there")
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
-    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn=float8_decoding_filter)
+
+def quantize_float8_for_decoding(model: torch.nn.Module, granularity: str = "row") -> torch.nn.Module:
+    """In place: the decoder projections of `model` in float8 (see the module docstring); returns the model.
+    `granularity` "row" (the default) or "tensor" (one scale per weight and per activation: cuBLAS's float8
+    GEMM instead of the row-scaled one). Raises an ImportError naming the extra without torchao, a RuntimeError
+    without a float8-capable GPU, a ValueError for another granularity."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"quantize_float8_for_decoding: granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    require("torchao", "float8 decoding (quantize_float8_for_decoding)", "0.10")
+    _require_float8_gpu(next(model.parameters()).device)
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
+
+    # set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent tuning (and lowers the
+    # float32 matmul precision) for the whole process; on the GPU that made the 8B decoder's first compile take
+    # 467 s instead of ~80 (benchmarks/RESULTS.md), and it would change every later compile the process makes
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow() if granularity == "row" else PerTensor(),
+                                                       set_inductor_config=False)
+    quantize_(model, config, filter_fn=float8_decoding_filter)
     return model
 
 
-__all__ = ["float8_decoding_filter", "quantize_float8_for_decoding"]
+__all__ = ["GRANULARITIES", "float8_decoding_filter", "quantize_float8_for_decoding"]

@@ -138,6 +138,7 @@ def test_cancel_frees_the_slot_at_the_next_step_and_blocks_stream_as_they_end():
         assert [len(block) for block in streamed[req.request_id]] == [4, 4, 4]  # one message per block end
         assert sum(streamed[req.request_id], []) == req.generated == reference(model, ids, **options)
     assert first.request_id not in streamed or len(streamed[first.request_id]) <= 1
+    assert (engine.stats["requests_cancelled"], engine.stats["requests_finished"]) == (1, 2)  # not counted as done
 
 
 def test_the_queue_takes_exactly_max_waiting_requests_all_or_none_and_counts_each_row_once():

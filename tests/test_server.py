@@ -412,7 +412,13 @@ def test_a_failing_row_fails_its_request_alone_and_frees_its_slot(server, monkey
     monkeypatch.undo()
     assert post(server, {"prompt": "lazy dog", "max_tokens": 8, **DLM})[0] == 200
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
-    assert re.search(r"^hf_dlm_engine_up 1$", httpx.get(server.url + "/metrics", timeout=60).text, re.M)
+    metrics = httpx.get(server.url + "/metrics", timeout=60).text
+    assert re.search(r"^hf_dlm_engine_up 1$", metrics, re.M)
+    for name, key in (("finished", "requests_finished"), ("failed", "requests_failed"),
+                      ("cancelled", "requests_cancelled")):  # each sequence counted under its own outcome
+        value = re.search(rf"^hf_dlm_sequences_{name}_total (\S+)$", metrics, re.M).group(1)
+        assert float(value) == server.engine.stats[key], name
+    assert server.engine.stats["requests_failed"] >= 2
 
 
 def test_engine_rows_that_cannot_start_or_whose_callback_raises_fail_alone():

@@ -189,7 +189,7 @@ class DLMEvalHarness(LM):
         with tqdm(total=len(jobs), desc="generate_until", disable=disable_tqdm) as bar, torch.no_grad():
             while engine.has_work():
                 engine.step()
-                bar.n = engine.stats["requests_finished"] + engine.stats["requests_failed"]
+                bar.n = sum(engine.stats[k] for k in ("requests_finished", "requests_failed", "requests_cancelled"))
                 bar.refresh()
         outputs = []
         for request, (job, until, max_tokens) in zip(requests, jobs):

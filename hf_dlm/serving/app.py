@@ -272,8 +272,11 @@ class DLMServer:
         metric("hf_dlm_queue_waiting", "gauge", "sequences waiting to join the batch", engine.num_waiting)
         metric("hf_dlm_running_rows", "gauge", "sequences in the running batch", engine.num_running)
         metric("hf_dlm_generated_tokens_total", "counter", "tokens committed", stats["generated_tokens"])
-        metric("hf_dlm_sequences_finished_total", "counter", "sequences finished", stats["requests_finished"])
+        metric("hf_dlm_sequences_finished_total", "counter", "sequences finished (stop or length)",
+               stats["requests_finished"])
         metric("hf_dlm_sequences_failed_total", "counter", "sequences failed", stats["requests_failed"])
+        metric("hf_dlm_sequences_cancelled_total", "counter", "sequences cancelled (their client left)",
+               stats["requests_cancelled"])
         metric("hf_dlm_time_to_first_block_seconds_sum", "counter", "submit to first committed block",
                stats["first_block_seconds_sum"])
         metric("hf_dlm_time_to_first_block_seconds_count", "counter", "sequences with a first block",

@@ -233,8 +233,8 @@ class ContinuousBatchingEngine:
         # counters read by /metrics
         self.stats = {"forward_passes": 0, "forward_rows": 0, "forward_tokens": 0, "max_forward_rows": 0,
                       "engine_steps": 0, "requests_admitted": 0, "requests_finished": 0, "requests_failed": 0,
-                      "generated_tokens": 0, "first_block_seconds_sum": 0.0, "first_block_count": 0,
-                      "graph_captures": 0}
+                      "requests_cancelled": 0, "generated_tokens": 0, "first_block_seconds_sum": 0.0,
+                      "first_block_count": 0, "graph_captures": 0}
 
     def sampling_params(self, **overrides) -> SamplingParams:
         return self.sampling_params_for(self.model, **overrides)
@@ -514,7 +514,8 @@ class ContinuousBatchingEngine:
         if request.finish_reason is not None:  # already answered (a callback raised after its on_done)
             return
         request.finish_reason, request.error = reason, error
-        self.stats["requests_failed" if error is not None else "requests_finished"] += 1
+        self.stats["requests_failed" if error is not None else "requests_cancelled" if reason == "cancelled"
+                   else "requests_finished"] += 1
         if request.on_done is not None:
             try:
                 request.on_done(request, reason, error)

@@ -320,15 +320,20 @@ def test_float8_decoding_leaves_the_process_inductor_settings_alone(monkeypatch)
 
     monkeypatch.setattr(float8, "_require_float8_gpu", lambda device: None)
     monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
-    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
     precision = torch.get_float32_matmul_precision()
-    for granularity in float8.GRANULARITIES:
-        model = tiny_model("sdpa").to(torch.bfloat16)
-        float8.quantize_float8_for_decoding(model, granularity)
-        assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "Float8Tensor"
-        assert model.lm_head.weight.dtype == torch.bfloat16  # the head stays in its dtype
-    assert inductor_config.coordinate_descent_tuning is False
-    assert torch.get_float32_matmul_precision() == precision
+    # Inductor's config module is patched through its own API (a monkeypatch of it leaves the option undefined)
+    with inductor_config.patch(coordinate_descent_tuning=False, coordinate_descent_check_all_directions=False):
+        try:
+            for granularity in float8.GRANULARITIES:
+                model = tiny_model("sdpa").to(torch.bfloat16)
+                float8.quantize_float8_for_decoding(model, granularity)
+                assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "Float8Tensor"
+                assert model.lm_head.weight.dtype == torch.bfloat16  # the head stays in its dtype
+            assert inductor_config.coordinate_descent_tuning is False
+            assert inductor_config.coordinate_descent_check_all_directions is False
+            assert torch.get_float32_matmul_precision() == precision
+        finally:
+            torch.set_float32_matmul_precision(precision)
     with pytest.raises(ValueError, match="granularity must be one of"):
         float8.quantize_float8_for_decoding(tiny_model("sdpa"), "block")
 

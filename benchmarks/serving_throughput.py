@@ -6,6 +6,9 @@
    one token per step and threshold 0.9: all at once at each of `--batches` (16, 64), and `--arrivals` (64)
    requests arriving one per `--arrival-every` (8) engine steps. Reported: tokens/s, engine steps and forwards
    (one forward per step), engine / generate ratio, arrivals / all-at-once ratio; a table at the end.
+   `--profile-steps N`: one more run of the largest batch and of the arrivals, N steps of each under
+   torch.profiler: wall time per step (without and with the profiler) against the device's kernel time per step,
+   and the operators / kernels by time (`profile_*.txt`).
 2. http: `hf-dlm serve`'s app on a real uvicorn (127.0.0.1): for each number of concurrent clients
    (`--clients`), streamed /v1/completions requests; requests/s, output tokens/s, time to first block,
    latency, rows per forward (from /metrics).
@@ -59,6 +62,10 @@ def parse_args():
     p.add_argument("--eval-docs", type=int, default=250)
     p.add_argument("--mc-num", type=int, default=16)
     p.add_argument("--eval-batch-size", type=int, default=64)
+    p.add_argument("--profile-steps", type=int, default=0, help="core part: one more run of the largest batch and of "
+                   "the arrivals under torch.profiler, this many steps after `--profile-skip` (0: none): device busy "
+                   "time against wall time per step, and the kernels by time")
+    p.add_argument("--profile-skip", type=int, default=100, help="engine steps before the profiled ones")
     p.add_argument("--stacks-every", type=float, default=0, help="print every thread's Python stack to stderr each "
                    "this many seconds (0: never): where a part that prints nothing for minutes is")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -308,9 +315,9 @@ def _sync():
 ARRIVAL_RUNS = 3
 
 
-def drive(engine, requests, every: int = 0) -> None:
+def drive(engine, requests, every: int = 0, on_step=None) -> None:
     """Submits `requests` to `engine` all at once (`every` 0) or one per `every` engine steps, and steps it until
-    idle (the core part's schedules; benchmarks/step_shapes.py replays them)."""
+    idle (the core part's schedules; benchmarks/step_shapes.py replays them). `on_step()` after each step."""
     pending, step = list(requests), 0
     while pending or engine.has_work():
         if pending and (every == 0 or step % every == 0):
@@ -319,6 +326,8 @@ def drive(engine, requests, every: int = 0) -> None:
             pending = pending[take:]
         engine.step()
         step += 1
+        if on_step is not None:
+            on_step()
 
 
 def core_benchmark(model, args, report):
@@ -400,6 +409,69 @@ def core_benchmark(model, args, report):
         report["core"].append(row)
         print(json.dumps(row), flush=True)
         dump(report, args)
+    if args.profile_steps:
+        label, rule = rules[args.rules.split(",")[-1]]
+        options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, cache="dual",
+                       temperature=0.0, stop_on_eos=False, **rule)
+        schedules = [(f"batch {max(batches)}, all at once", max(batches), 0)]
+        if args.arrivals:
+            schedules.append((f"{args.arrivals} arriving one per {args.arrival_every} steps", args.arrivals,
+                              args.arrival_every))
+        for name, count, every in schedules:
+            log(f"profile: {label}, {name}")
+            def make_requests(count=count):
+                return [GenerationRequest(prompts[i].tolist(), engine.sampling_params(**options)) for i in range(count)]
+
+            report["profile"].append({"setting": label, "schedule": name,
+                                      **profile_run(engine, make_requests, every, args, f"{label}, {name}")})
+            print(json.dumps(report["profile"][-1]), flush=True)
+            dump(report, args)
+
+
+def profile_run(engine, make_requests, every, args, title) -> dict:
+    """`drive` under torch.profiler, recording `--profile-steps` steps after `--profile-skip` (+ 2 warm-up): wall
+    time per step against the kernels' time per step (a step whose host work leaves the device idle shows a gap),
+    and a table of the operators and kernels by time (`profile_*.txt` in --out)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    os.makedirs(args.out, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    first, last = args.profile_skip + 2, args.profile_skip + 2 + args.profile_steps
+
+    def timed(prof=None) -> float:
+        """Wall seconds per step over the window (the profiler's own overhead included when it runs)."""
+        times = []
+
+        def on_step():
+            _sync()
+            times.append(time.perf_counter())
+            if prof is not None:
+                prof.step()
+
+        _sync()
+        times.append(time.perf_counter())
+        drive(engine, make_requests(), every, on_step)
+        if len(times) <= last:
+            raise SystemExit(f"--profile-steps: the run has {len(times) - 1} steps, fewer than --profile-skip + 2 + "
+                             f"--profile-steps = {last}")
+        return (times[last] - times[first]) / args.profile_steps
+
+    plain = timed()  # the same window without the profiler
+    with profile(activities=activities, schedule=schedule(wait=args.profile_skip, warmup=2,
+                                                          active=args.profile_steps, repeat=1)) as prof:
+        wall = timed(prof)
+    events = prof.key_averages()
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    name = "profile_" + "".join(c if c.isalnum() else "_" for c in title) + ".txt"
+    with open(os.path.join(args.out, name), "w") as f:
+        f.write(f"{title}: steps {first}-{last - 1}\n{events.table(sort_by=sort, row_limit=40)}\n")
+    busy = sum(e.self_device_time_total for e in events) / 1e6 / args.profile_steps if cuda else None
+    return {"steps": [first, last - 1], "wall_ms_per_step": round(plain * 1e3, 3),
+            "profiled_wall_ms_per_step": round(wall * 1e3, 3),
+            "device_busy_ms_per_step": None if busy is None else round(busy * 1e3, 3),
+            "device_busy_share": None if busy is None else round(busy / plain, 3), "table": name}
 
 
 def float8_benchmark(model, args, report):
@@ -465,7 +537,7 @@ def main():
 
     model, tokenizer, device = build(args)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "args": vars(args),
-              "core": [], "float8": None, "serve": [], "eval": None}
+              "core": [], "profile": [], "float8": None, "serve": [], "eval": None}
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}e9 parameters on {report['device']}")
     runners = {"core": core_benchmark, "float8": float8_benchmark,
                "http": lambda model, args, report: serve_benchmark(model, tokenizer, args, report),

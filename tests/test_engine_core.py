@@ -141,6 +141,31 @@ def test_cancel_frees_the_slot_at_the_next_step_and_blocks_stream_as_they_end():
     assert (engine.stats["requests_cancelled"], engine.stats["requests_finished"]) == (1, 2)  # not counted as done
 
 
+def test_the_steps_inside_a_block_reuse_their_plan_and_a_row_joining_or_moving_on_replans(monkeypatch):
+    from hf_dlm.serving import engine as engine_module
+
+    plans, real = [], engine_module.RaggedStep
+    monkeypatch.setattr(engine_module, "RaggedStep", lambda *args, **kwargs: plans.append(1) or real(*args, **kwargs))
+    model = tiny_model("sdpa")
+    engine = ContinuousBatchingEngine(model, max_batch_size=2)
+    options = dict(max_new_tokens=16, block_length=8, steps=16, cache="dual", stop_on_eos=False)
+    first = GenerationRequest([1, 2, 3], engine.sampling_params(**options))
+    second = GenerationRequest([4, 5], engine.sampling_params(**options))
+    engine.submit([first])
+    counts = []
+    for step in range(24):
+        if step == 8:
+            engine.submit([second])  # joins as the first row starts its second block
+        engine.step()
+        counts.append(len(plans))
+    assert not engine.has_work()
+    # one token per step, blocks of 8: a refresh step, then 7 window steps that repeat one plan. Row A: blocks at
+    # steps 0 and 8, done after 15; row B: blocks at 8 (beside A's) and 16, done after 23
+    assert counts == [1] + [2] * 7 + [3] + [4] * 7 + [5] + [6] * 7, counts
+    for request, ids in ((first, [1, 2, 3]), (second, [4, 5])):
+        assert request.generated == reference(model, ids, **options)
+
+
 def test_the_queue_takes_exactly_max_waiting_requests_all_or_none_and_counts_each_row_once():
     model = tiny_model("sdpa", eos_token_id=5)
     engine = ContinuousBatchingEngine(model, max_batch_size=2, max_waiting=2)
@@ -262,13 +287,21 @@ def test_serving_throughput_benchmark_tiny_core_part(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, os.path.join(root, "benchmarks", "serving_throughput.py"), "--tiny", "--parts",
-                    "core", "--out", str(tmp_path)], check=True, env=env, cwd=tmp_path, capture_output=True, timeout=600)
+                    "core", "--profile-steps", "2", "--profile-skip", "1", "--out", str(tmp_path)], check=True, env=env,
+                   cwd=tmp_path, capture_output=True, timeout=600)
     report = json.loads((tmp_path / "serving_throughput.json").read_text())
     assert {(r["setting"], r["arrival"]) for r in report["core"]} == {
         (s, a) for s in ("one token per step", "threshold 0.9") for a in ("all at once", "one per 2 steps")}
     assert all(r["forwards"] == r["engine_steps"] for r in report["core"])  # one forward per engine step
     # fp32: the engine's rows equal generate's batch rows (a margin for argmax near-ties between kernel paths)
     assert all(r["tokens_equal_to_generate"] > 0.9 for r in report["core"] if r["arrival"] == "all at once")
+    # the profiled runs: steps 3-4 (1 skipped, 2 warm-up), timed without and with the profiler, each with its table
+    assert [(p["schedule"], p["steps"]) for p in report["profile"]] == [
+        ("batch 4, all at once", [3, 4]), ("4 arriving one per 2 steps", [3, 4])]
+    for p in report["profile"]:
+        assert p["wall_ms_per_step"] > 0 and p["profiled_wall_ms_per_step"] > 0 and p["device_busy_share"] is None
+        table = (tmp_path / p["table"]).read_text()
+        assert table.startswith(f"threshold 0.9, {p['schedule']}: steps 3-4") and "aten::mm" in table
 
 
 def test_step_shapes_counts_the_attention_padding_of_a_step_mixing_a_refresh_and_a_window(monkeypatch):

@@ -1,0 +1,103 @@
+"""The serving engine's host work per step, counted: the aten operators an engine step dispatches outside the model
+forward (planning the packed step, committing, the schedule), on serving_throughput.py's core schedules. CPU,
+deterministic (counts, not seconds): on the GPU each such operator costs host time while the device waits for the
+step's one sync, and a compiled, CUDA-graph-replayed forward leaves these as the step's host cost. Also counted:
+the packed-step plans (`RaggedStep`) built, against the engine steps.
+
+    python benchmarks/engine_host_ops.py            # the GPU benchmark's sizes (64 + 256 tokens, block 32)
+    python benchmarks/engine_host_ops.py --tiny     # small sizes (the test suite)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--batches", default="16,64")
+    p.add_argument("--arrivals", type=int, default=64)
+    p.add_argument("--arrival-every", type=int, default=8)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    return p.parse_args()
+
+
+def main():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_dlm import DLMConfig, DLMForDiffusionLM
+    from hf_dlm.serving import engine as engine_module
+    from serving_throughput import drive  # the same schedules (this script's folder is on sys.path)
+
+    args = parse_args()
+    if args.tiny:
+        args.prompt_tokens, args.new_tokens, args.block_length = 8, 32, 8
+        args.batches, args.arrivals, args.arrival_every = "4", 4, 2
+
+    class Counter(TorchDispatchMode):
+        """Counts every aten operator; `inside` those of the model forward."""
+
+        total = inside = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.total += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    config = DLMConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=16, mask_token_id=127,
+                       max_position_embeddings=args.prompt_tokens + args.new_tokens)
+    model = DLMForDiffusionLM(config).eval()
+    forward_window = model.model.forward_window
+
+    def counted_forward(*a, **k):
+        before = Counter.total
+        out = forward_window(*a, **k)
+        Counter.inside += Counter.total - before
+        return out
+
+    model.model.forward_window = counted_forward
+    plans, plan_class = [], engine_module.RaggedStep
+    engine_module.RaggedStep = lambda *a, **k: plans.append(1) or plan_class(*a, **k)
+    options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, steps=args.new_tokens,
+                   cache="dual", temperature=0.0, stop_on_eos=False)
+    schedules = [(f"batch {b}, all at once", int(b), 0) for b in args.batches.split(",")]
+    if args.arrivals:
+        schedules.append((f"{args.arrivals} arriving one per {args.arrival_every} steps", args.arrivals,
+                          args.arrival_every))
+    report = []
+    for name, count, every in schedules:
+        prompts = torch.randint(0, 120, (count, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+        engine = engine_module.ContinuousBatchingEngine(model, max_batch_size=count, max_waiting=4 * count,
+                                                        max_length=args.prompt_tokens + args.new_tokens,
+                                                        preallocate=True)
+        Counter.total = Counter.inside = 0
+        plans.clear()
+        with torch.inference_mode(), Counter():
+            drive(engine, [engine_module.GenerationRequest(p.tolist(), engine.sampling_params(**options))
+                           for p in prompts], every)
+        steps = engine.stats["engine_steps"]
+        row = {"schedule": name, "engine_steps": steps, "plans_built": len(plans),
+               "ops_per_step_outside_forward": round((Counter.total - Counter.inside) / steps, 1),
+               "ops_per_step_in_forward": round(Counter.inside / steps, 1)}
+        report.append(row)
+        print(json.dumps(row), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "engine_host_ops.json"), "w") as f:
+        json.dump({"args": vars(args), "schedules": report}, f, indent=2)
+    print("| schedule | engine steps | plans built | aten ops per step outside the forward | in the forward (1 layer) |")
+    print("|---|---|---|---|---|")
+    for r in report:
+        print(f"| {r['schedule']} | {r['engine_steps']} | {r['plans_built']} | {r['ops_per_step_outside_forward']} "
+              f"| {r['ops_per_step_in_forward']} |")
+
+
+if __name__ == "__main__":
+    main()

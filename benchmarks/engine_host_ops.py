@@ -4,28 +4,25 @@ deterministic (counts, not seconds): on the GPU each such operator costs host ti
 step's one sync, and a compiled, CUDA-graph-replayed forward leaves these as the step's host cost. Also counted:
 the packed-step plans (`RaggedStep`) built, against the engine steps.
 
-    python benchmarks/engine_host_ops.py            # the GPU benchmark's sizes (64 + 256 tokens, block 32)
+    python benchmarks/engine_host_ops.py            # the GPU benchmark's sizes (64 + 256 tokens, block 32, 16 / 64 rows)
     python benchmarks/engine_host_ops.py --tiny     # small sizes (the test suite)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--batches", default="16,64")
-    p.add_argument("--arrivals", type=int, default=64)
-    p.add_argument("--arrival-every", type=int, default=8)
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
-    return p.parse_args()
+    from step_shapes import parse_schedule_args, schedule_parser  # this script's folder is on sys.path
+
+    p = schedule_parser(__doc__)
+    p.add_argument("--batches", default="16", help="all at once at these batch sizes too, beside --requests")
+    args = parse_schedule_args(p)
+    if args.tiny:
+        args.batches = "4"
+    return args
 
 
 def main():
@@ -37,9 +34,6 @@ def main():
     from serving_throughput import drive  # the same schedules (this script's folder is on sys.path)
 
     args = parse_args()
-    if args.tiny:
-        args.prompt_tokens, args.new_tokens, args.block_length = 8, 32, 8
-        args.batches, args.arrivals, args.arrival_every = "4", 4, 2
 
     class Counter(TorchDispatchMode):
         """Counts every aten operator; `inside` those of the model forward."""
@@ -68,10 +62,8 @@ def main():
     engine_module.RaggedStep = lambda *a, **k: plans.append(1) or plan_class(*a, **k)
     options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, steps=args.new_tokens,
                    cache="dual", temperature=0.0, stop_on_eos=False)
-    schedules = [(f"batch {b}, all at once", int(b), 0) for b in args.batches.split(",")]
-    if args.arrivals:
-        schedules.append((f"{args.arrivals} arriving one per {args.arrival_every} steps", args.arrivals,
-                          args.arrival_every))
+    schedules = [(f"batch {b}, all at once", b, 0) for b in sorted({*map(int, args.batches.split(",")), args.requests})]
+    schedules.append((f"{args.requests} arriving one per {args.arrival_every} steps", args.requests, args.arrival_every))
     report = []
     for name, count, every in schedules:
         prompts = torch.randint(0, 120, (count, args.prompt_tokens), generator=torch.Generator().manual_seed(0))

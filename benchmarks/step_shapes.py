@@ -25,17 +25,31 @@ import json
 import os
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def schedule_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of the core part's schedules replayed on CPU (this script and engine_host_ops.py): all at once,
+    and `--requests` arriving one per `--arrival-every` engine steps."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--block-length", type=int, default=32)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--arrival-every", type=int, default=8)
-    p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    return p.parse_args()
+    return p
+
+
+def parse_schedule_args(p: argparse.ArgumentParser) -> argparse.Namespace:
+    args = p.parse_args()
+    if args.tiny:
+        args.prompt_tokens, args.new_tokens, args.block_length, args.requests, args.arrival_every = 8, 32, 8, 8, 2
+    return args
+
+
+def parse_args():
+    p = schedule_parser(__doc__)
+    p.add_argument("--runs", type=int, default=3)
+    return parse_schedule_args(p)
 
 
 class CountedGraph:
@@ -80,8 +94,6 @@ def main():
     from serving_throughput import drive  # the same schedules (this script's folder is on sys.path)
 
     args = parse_args()
-    if args.tiny:
-        args.prompt_tokens, args.new_tokens, args.block_length, args.requests, args.arrival_every = 8, 32, 8, 8, 2
     compiled_step.CapturedStep = CountedGraph
     work = WorkCounter(compiled_step.StepGraphs.__call__)
     compiled_step.StepGraphs.__call__ = lambda graphs, forward, tensors, **fixed: work(graphs, forward, tensors, **fixed)

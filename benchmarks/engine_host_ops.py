@@ -32,6 +32,7 @@ def main():
     from hf_dlm import DLMConfig, DLMForDiffusionLM
     from hf_dlm.serving import engine as engine_module
     from serving_throughput import drive  # the same schedules (this script's folder is on sys.path)
+    from step_shapes import save_with_table
 
     args = parse_args()
 
@@ -81,14 +82,10 @@ def main():
                "ops_per_step_in_forward": round(Counter.inside / steps, 1)}
         report.append(row)
         print(json.dumps(row), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "engine_host_ops.json"), "w") as f:
-        json.dump({"args": vars(args), "schedules": report}, f, indent=2)
-    print("| schedule | engine steps | plans built | aten ops per step outside the forward | in the forward (1 layer) |")
-    print("|---|---|---|---|---|")
-    for r in report:
-        print(f"| {r['schedule']} | {r['engine_steps']} | {r['plans_built']} | {r['ops_per_step_outside_forward']} "
-              f"| {r['ops_per_step_in_forward']} |")
+    save_with_table(args, "engine_host_ops.json", {"args": vars(args), "schedules": report},
+                    [("schedule", "schedule"), ("engine steps", "engine_steps"), ("plans built", "plans_built"),
+                     ("aten ops per step outside the forward", "ops_per_step_outside_forward"),
+                     ("in the forward (1 layer)", "ops_per_step_in_forward")], report)
 
 
 if __name__ == "__main__":

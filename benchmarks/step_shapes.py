@@ -126,15 +126,22 @@ def main():
                        attention_padding=round(done["pairs"] / done["real_pairs"], 3), **done)
             report.append(row)
             print(json.dumps(row), flush=True)
+    columns = [("schedule", "schedule"), ("run", "run"), ("engine steps", "engine_steps"),
+               ("distinct shapes seen so far", "shapes_seen"), ("graphs captured in the run", "captures"),
+               ("Dynamo graphs so far", "dynamo_graphs_so_far"), ("packed tokens / real", "token_padding"),
+               ("attention pairs / real", "attention_padding")]
+    save_with_table(args, "step_shapes.json", {"args": vars(args), "runs": report}, columns, report)
+
+
+def save_with_table(args, filename: str, payload: dict, columns: list[tuple[str, str]], rows: list[dict]) -> None:
+    """`payload` as JSON in --out, and `rows` printed as a markdown table of `columns` (title, key)."""
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "step_shapes.json"), "w") as f:
-        json.dump({"args": vars(args), "runs": report}, f, indent=2)
-    print("| schedule | run | engine steps | distinct shapes seen so far | graphs captured in the run "
-          "| Dynamo graphs so far | packed tokens / real | attention pairs / real |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in report:
-        print(f"| {r['schedule']} | {r['run']} | {r['engine_steps']} | {r['shapes_seen']} | {r['captures']} "
-              f"| {r['dynamo_graphs_so_far']} | {r['token_padding']} | {r['attention_padding']} |")
+    with open(os.path.join(args.out, filename), "w") as f:
+        json.dump(payload, f, indent=2)
+    print("| " + " | ".join(title for title, _ in columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(str(row[key]) for _, key in columns) + " |")
 
 
 if __name__ == "__main__":

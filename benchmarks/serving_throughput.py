@@ -429,19 +429,19 @@ def core_benchmark(model, args, report):
 
 
 def profile_run(engine, make_requests, every, args, title) -> dict:
-    """`drive` under torch.profiler, recording `--profile-steps` steps after `--profile-skip` (+ 2 warm-up): wall
-    time per step against the kernels' time per step (a step whose host work leaves the device idle shows a gap),
-    and a table of the operators and kernels by time (`profile_*.txt` in --out)."""
+    """`drive` under torch.profiler, recording `--profile-steps` steps after `--profile-skip` (+ 2 warm-up; the
+    window moves earlier when the run is shorter): wall time per step against the kernels' time per step (a step
+    whose host work leaves the device idle shows a gap), and a table of the operators and kernels by time
+    (`profile_*.txt` in --out)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
     os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    first, last = args.profile_skip + 2, args.profile_skip + 2 + args.profile_steps
 
-    def timed(prof=None) -> float:
-        """Wall seconds per step over the window (the profiler's own overhead included when it runs)."""
+    def timed(prof=None) -> list[float]:
+        """The time after each step (and before the first)."""
         times = []
 
         def on_step():
@@ -453,15 +453,18 @@ def profile_run(engine, make_requests, every, args, title) -> dict:
         _sync()
         times.append(time.perf_counter())
         drive(engine, make_requests(), every, on_step)
-        if len(times) <= last:
-            raise SystemExit(f"--profile-steps: the run has {len(times) - 1} steps, fewer than --profile-skip + 2 + "
-                             f"--profile-steps = {last}")
-        return (times[last] - times[first]) / args.profile_steps
+        return times
 
-    plain = timed()  # the same window without the profiler
-    with profile(activities=activities, schedule=schedule(wait=args.profile_skip, warmup=2,
-                                                          active=args.profile_steps, repeat=1)) as prof:
-        wall = timed(prof)
+    plain = timed()  # the run without the profiler: its length places the window
+    steps = len(plain) - 1
+    if steps < args.profile_steps + 2:
+        raise SystemExit(f"--profile-steps {args.profile_steps}: the run '{title}' has only {steps} steps")
+    skip = min(args.profile_skip, steps - args.profile_steps - 2)
+    first, last = skip + 2, skip + 2 + args.profile_steps
+    with profile(activities=activities, schedule=schedule(wait=skip, warmup=2, active=args.profile_steps,
+                                                          repeat=1)) as prof:
+        profiled = timed(prof)
+    plain, wall = ((t[last] - t[first]) / args.profile_steps for t in (plain, profiled))
     events = prof.key_averages()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     name = "profile_" + "".join(c if c.isalnum() else "_" for c in title) + ".txt"

@@ -29,10 +29,9 @@ def main():
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hf_dlm import DLMConfig, DLMForDiffusionLM
     from hf_dlm.serving import engine as engine_module
     from serving_throughput import drive  # the same schedules (this script's folder is on sys.path)
-    from step_shapes import save_with_table
+    from step_shapes import save_with_table, stand_in_model
 
     args = parse_args()
 
@@ -46,10 +45,7 @@ def main():
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
-    config = DLMConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=2, head_dim=16, mask_token_id=127,
-                       max_position_embeddings=args.prompt_tokens + args.new_tokens)
-    model = DLMForDiffusionLM(config).eval()
+    model = stand_in_model(args)
     forward_window = model.model.forward_window
 
     def counted_forward(*a, **k):

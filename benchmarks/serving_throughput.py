@@ -348,14 +348,21 @@ def core_benchmark(model, args, report):
     unknown = set(args.rules.split(",")) - set(rules)
     if unknown:
         raise SystemExit(f"--rules: unknown {sorted(unknown)} (choose from {sorted(rules)})")
+
+    def core_options(rule):
+        return dict(max_new_tokens=args.new_tokens, block_length=args.block_length, cache="dual", temperature=0.0,
+                    stop_on_eos=False, **rule)
+
+    def make_requests(count, options):
+        return [GenerationRequest(prompts[i].tolist(), engine.sampling_params(**options)) for i in range(count)]
+
     for label, rule in (rules[name] for name in args.rules.split(",")):
-        options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, cache="dual",
-                       temperature=0.0, stop_on_eos=False, **rule)
+        options = core_options(rule)
 
         last_requests = []
 
         def engine_run(count, every=0):
-            requests = [GenerationRequest(prompts[i].tolist(), engine.sampling_params(**options)) for i in range(count)]
+            requests = make_requests(count, options)
             last_requests[:] = requests
             before = {name: engine.stats[name] for name in ("engine_steps", "forward_passes", "graph_captures")}
             _sync()
@@ -411,19 +418,15 @@ def core_benchmark(model, args, report):
         dump(report, args)
     if args.profile_steps:
         label, rule = rules[args.rules.split(",")[-1]]
-        options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, cache="dual",
-                       temperature=0.0, stop_on_eos=False, **rule)
+        options = core_options(rule)
         schedules = [(f"batch {max(batches)}, all at once", max(batches), 0)]
         if args.arrivals:
             schedules.append((f"{args.arrivals} arriving one per {args.arrival_every} steps", args.arrivals,
                               args.arrival_every))
         for name, count, every in schedules:
             log(f"profile: {label}, {name}")
-            def make_requests(count=count):
-                return [GenerationRequest(prompts[i].tolist(), engine.sampling_params(**options)) for i in range(count)]
-
-            report["profile"].append({"setting": label, "schedule": name,
-                                      **profile_run(engine, make_requests, every, args, f"{label}, {name}")})
+            report["profile"].append({"setting": label, "schedule": name, **profile_run(
+                engine, lambda count=count: make_requests(count, options), every, args, f"{label}, {name}")})
             print(json.dumps(report["profile"][-1]), flush=True)
             dump(report, args)
 

@@ -52,6 +52,16 @@ def parse_args():
     return parse_schedule_args(p)
 
 
+def stand_in_model(args):
+    """One layer at hidden 32: what these counts depend on (lengths, rows, schedule) is not the model's width."""
+    from hf_dlm import DLMConfig, DLMForDiffusionLM
+
+    config = DLMConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=16, mask_token_id=127,
+                       max_position_embeddings=args.prompt_tokens + args.new_tokens)
+    return DLMForDiffusionLM(config).eval()
+
+
 class CountedGraph:
     """CPU stand-in for `CapturedStep` (a CUDA graph): inputs copied into buffers made at capture, then the forward
     (a real graph replays its kernels without calling Dynamo again); the engine counts the captures."""
@@ -88,7 +98,6 @@ def main():
     import torch
     from torch._dynamo.utils import counters
 
-    from hf_dlm import DLMConfig, DLMForDiffusionLM
     from hf_dlm.generation import compiled_step
     from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
     from serving_throughput import drive  # the same schedules (this script's folder is on sys.path)
@@ -97,10 +106,7 @@ def main():
     compiled_step.CapturedStep = CountedGraph
     work = WorkCounter(compiled_step.StepGraphs.__call__)
     compiled_step.StepGraphs.__call__ = lambda graphs, forward, tensors, **fixed: work(graphs, forward, tensors, **fixed)
-    config = DLMConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=2, head_dim=16, mask_token_id=127,
-                       max_position_embeddings=args.prompt_tokens + args.new_tokens)
-    model = DLMForDiffusionLM(config).eval()
+    model = stand_in_model(args)
     prompts = torch.randint(0, 120, (args.requests, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, steps=args.new_tokens,
                    cache="dual", temperature=0.0, stop_on_eos=False)

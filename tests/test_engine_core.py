@@ -343,7 +343,7 @@ def test_float8_decoding_takes_the_decoder_projections_and_refuses_without_a_flo
 
 def test_float8_decoding_leaves_the_process_inductor_settings_alone(monkeypatch):
     # torchao's float8 config turns on Inductor's coordinate-descent tuning and lowers the float32 matmul precision
-    # for the whole process by default: on the GPU the 8B decoder's first compile took 467 s instead of ~80.
+    # for the whole process by default: on the GPU the 8B decoder's first compile took 467 s instead of 107.
     # The float8 GEMM itself needs a float8 GPU; the weights convert on any device once the checks are bypassed.
     pytest.importorskip("torchao")
     import torch._inductor.config as inductor_config

@@ -44,7 +44,7 @@ def quantize_float8_for_decoding(model: torch.nn.Module, granularity: str = "row
 
     # set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent tuning (and lowers the
     # float32 matmul precision) for the whole process; on the GPU that made the 8B decoder's first compile take
-    # 467 s instead of ~80 (benchmarks/RESULTS.md), and it would change every later compile the process makes
+    # 467 s instead of 107 (benchmarks/RESULTS.md), and it would change every later compile the process makes
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow() if granularity == "row" else PerTensor(),
                                                        set_inductor_config=False)
     quantize_(model, config, filter_fn=float8_decoding_filter)

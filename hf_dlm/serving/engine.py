@@ -376,8 +376,8 @@ class ContinuousBatchingEngine:
         lanes, lengths = [lane for _, lane, _ in entries], [row.schedule.length for row, _, _ in entries]
         extra = {"canvas_lanes": [row.lane for row, _, _ in entries],  # a copy reads its row's canvas
                  "masked_prompt": [row.prompt_len if copy else 0 for row, _, copy in entries]}
-        # the steps inside a block repeat the plan (the same rows, spans and keys): its host work and upload
-        # (~0.3 ms at 16 rows) are paid when a row joins, leaves or moves to its next block
+        # the steps inside a block repeat the plan (the same rows, spans and keys): its host work and upload (about
+        # 100 operators a step, benchmarks/engine_host_ops.py) are paid when a row joins, leaves or moves on
         key = (compiled, self.storage.lanes, self.storage.capacity, tuple(lanes), tuple(spans), tuple(lengths),
                tuple(heads), *(tuple(v) for v in extra.values()))
         if key != self.plan_key:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import faulthandler
 import json
 import os
 import statistics
@@ -48,7 +47,8 @@ def parse_args():
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--arrivals", type=int, default=64, help="requests of the arrivals run (0: no arrivals run)")
     p.add_argument("--arrival-every", type=int, default=8, help="engine steps between two arrivals")
-    p.add_argument("--compile", default="true", help="'true', 'none' or a DLMGenerationConfig.compile value")
+    p.add_argument("--compile", default=None, help="'true' (default; 'none' with --tiny), 'none' or a "
+                   "DLMGenerationConfig.compile value")
     p.add_argument("--float8-weights", default="bf16,float8", help="the float8 part's runs, in this order: bf16, "
                    "float8 (row scales), float8-tensor (tensor scales); the share of equal tokens needs bf16")
     p.add_argument("--clients", default="16,64")
@@ -172,17 +172,21 @@ def serve_benchmark(model, tokenizer, args, report):
     from hf_dlm.serving.app import ServerSettings, create_app
     from hf_dlm.serving.engine import ContinuousBatchingEngine
 
+    rng, vocab = random.Random(0), model.config.vocab_size
+    # the engine alone first, on this thread: it compiles the step (Dynamo keeps the graph on the step function,
+    # so the server's engine thread reuses it) and the log shows compilation apart from the server's first steps
+    alone = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=4096,
+                                     compile=compile_value(args), max_length=canvas_length(args))
+    log("http: engine alone, 2 requests (compiles the step)")
+    engine_alone(alone, 2, args, vocab, rng)
     engine = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=4096,
                                       compile=compile_value(args), max_length=canvas_length(args))
     settings = ServerSettings(model_name=f"{args.shape}-shape", max_prompt_tokens=4096, max_output_tokens=4096)
     server = ThreadedServer(create_app(engine, tokenizer, settings, log=print))
-    rng, vocab = random.Random(0), model.config.vocab_size
     try:
-        log("http: warm-up, 2 requests (the engine's first compiled steps compile and capture)")
+        log("http: warm-up, 2 requests (the server engine's first steps capture their CUDA graphs)")
         asyncio.run(run_level(server.url, 2, argparse.Namespace(**{**vars(args), "requests_per_client": 1}), vocab,
                               rng))  # warm-up: kernels, allocator
-        alone = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=4096,
-                                         compile=compile_value(args), max_length=canvas_length(args))
         for clients in [int(c) for c in args.clients.split(",")]:
             # an untimed level first: its arrival pattern's step shapes are captured as CUDA graphs at their
             # second sight, as in a server that has run a while (the timed levels report the captures left)
@@ -293,6 +297,27 @@ START = time.monotonic()
 def log(message: str):
     """A progress line with the seconds since start (a run cut off by its time limit still shows how far it got)."""
     print(f"[{time.monotonic() - START:7.1f} s] {message}", flush=True)
+
+
+def print_stacks_every(seconds: float):
+    """Every thread's Python stack to stderr each `seconds`, from a daemon thread holding the GIL
+    (`faulthandler.dump_traceback_later` reads other threads' frames without it and crashed a compiling run)."""
+    import sys
+    import threading
+    import traceback
+
+    def dump():
+        while True:
+            time.sleep(seconds)
+            names = {t.ident: t.name for t in threading.enumerate()}
+            lines = [f"[{time.monotonic() - START:7.1f} s] stacks"]
+            for ident, frame in sys._current_frames().items():
+                if ident != threading.get_ident():
+                    lines += [f"thread {names.get(ident, ident)}:", *traceback.format_stack(frame)[-12:]]
+            print("".join(line if line.endswith("\n") else line + "\n" for line in lines), file=sys.stderr,
+                  flush=True)
+
+    threading.Thread(target=dump, name="stacks", daemon=True).start()
 
 
 def canvas_length(args) -> int:
@@ -531,11 +556,13 @@ def dump(report, args):
 def main():
     args = parse_args()
     if args.stacks_every > 0:
-        faulthandler.dump_traceback_later(args.stacks_every, repeat=True)
+        print_stacks_every(args.stacks_every)
     if args.tiny:
         args.clients, args.max_tokens, args.block_length, args.steps = "1,4", 8, 4, 4
         args.prompt_tokens, args.eval_docs, args.mc_num, args.eval_batch_size = 8, 10, 2, 8
-        args.batches, args.new_tokens, args.arrivals, args.arrival_every, args.compile = "2,4", 16, 4, 2, "none"
+        args.batches, args.new_tokens, args.arrivals, args.arrival_every = "2,4", 16, 4, 2
+    if args.compile is None:
+        args.compile = "none" if args.tiny else "true"
     unknown = set(args.parts.split(",")) - {"core", "float8", "http", "eval"}
     if unknown:
         raise SystemExit(f"--parts: unknown {sorted(unknown)} (choose from core, float8, http, eval)")

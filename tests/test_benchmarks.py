@@ -24,10 +24,17 @@ def test_every_benchmark_has_a_tiny_mode():
 EXTRA_RUNS = [("llada2_mini.py", "--compile")]
 
 
+# options every --tiny run of a script takes, and what its stderr must then hold
+ALWAYS = {"serving_throughput.py": (("--stacks-every", "2"), "thread MainThread:")}
+
+
 @pytest.mark.parametrize("name,options", [(name, ()) for name in SCRIPTS] + [(n, (o,)) for n, o in EXTRA_RUNS])
 def test_tiny_run(name, options, tmp_path):
+    always, expected = ALWAYS.get(name, ((), ""))
+    options = (*options, *always)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "OUT": str(tmp_path)}
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), "--tiny", *options], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, f"{name} --tiny exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    assert expected in out.stderr, f"{name} --tiny {' '.join(options)}: {expected!r} not in stderr"

@@ -173,14 +173,12 @@ def serve_benchmark(model, tokenizer, args, report):
     from hf_dlm.serving.engine import ContinuousBatchingEngine
 
     rng, vocab = random.Random(0), model.config.vocab_size
-    # the engine alone first, on this thread: it compiles the step (Dynamo keeps the graph on the step function,
-    # so the server's engine thread reuses it) and the log shows compilation apart from the server's first steps
-    alone = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=4096,
-                                     compile=compile_value(args), max_length=canvas_length(args))
-    log("http: engine alone, 2 requests (compiles the step)")
-    engine_alone(alone, 2, args, vocab, rng)
-    engine = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=4096,
-                                      compile=compile_value(args), max_length=canvas_length(args))
+    alone, engine = (ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=4096,
+                                              compile=compile_value(args), max_length=canvas_length(args))
+                     for _ in range(2))
+    for name, warm in (("engine alone", alone), ("server engine", engine)):  # as `hf-dlm serve` does before it listens
+        log(f"http: {name} warm-up (compiles the step; Dynamo keeps its graph on the step function)")
+        log(f"http: {name} warm-up done: {warm.warmup()}")
     settings = ServerSettings(model_name=f"{args.shape}-shape", max_prompt_tokens=4096, max_output_tokens=4096)
     server = ThreadedServer(create_app(engine, tokenizer, settings, log=print))
     try:

@@ -82,3 +82,35 @@ def test_compiled_step_compiles_once_across_row_counts_and_phases():
         assert request.generated == model.generate(torch.tensor([ids]), **options)[0, len(ids):].tolist(), options
     assert engine.stats["forward_passes"] > 40
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_warmup_compiles_the_step_before_traffic_and_leaves_the_counters():
+    # `hf-dlm serve --compile` warms the engine up before it listens: the first client must not wait for the
+    # compiler (minutes at 8B). After warmup() the requests of a long run (rows alone and joined, refresh and
+    # window steps, cached and uncached) compile nothing, and their tokens still equal generate alone
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("sdpa", eos_token_id=5, max_position_embeddings=96)
+    engine = ContinuousBatchingEngine(model, max_batch_size=3, compile="eager", preallocate=True)
+    done = engine.warmup()
+    assert counters["stats"]["unique_graphs"] == 1 and done["forwards"] >= 2 and done["seconds"] > 0
+    assert engine.stats["forward_passes"] == engine.stats["requests_finished"] == engine.stats["engine_steps"] == 0
+    assert not engine.has_work() and engine.storage.lanes == 3
+    requests = []
+    for length, cache in ((4, "none"), (7, "dual"), (5, "prefix")):
+        ids = list(range(10, 10 + length))
+        options = dict(max_new_tokens=16, block_length=8, steps=16, cache=cache, stop_on_eos=False)
+        requests.append((ids, options, GenerationRequest(ids, engine.sampling_params(**options))))
+        engine.submit([requests[-1][2]])
+        engine.step()
+    engine.run_until_idle()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    for ids, options, request in requests:
+        assert request.generated == model.generate(torch.tensor([ids]), **options)[0, len(ids):].tolist(), options
+    assert engine.stats["requests_finished"] == 3
+    engine.start()
+    with pytest.raises(RuntimeError, match="before start"):
+        engine.warmup()
+    engine.shutdown(timeout=10)

@@ -477,8 +477,9 @@ def test_a_dead_engine_thread_fails_open_requests_and_health_says_so():
         running.stop()
 
 
-def test_serve_cli_options_reach_the_server(tmp_path, monkeypatch):
-    # --served-model-name NAME... (the first named in responses, all accepted), --chat-template, --drain-timeout
+def test_serve_cli_options_reach_the_server(tmp_path, monkeypatch, capsys):
+    # --served-model-name NAME... (the first named in responses, all accepted), --chat-template, --drain-timeout;
+    # --compile: the step is compiled (warm-up) before the server listens
     import argparse
 
     from hf_dlm.commands import serve as serve_command
@@ -501,3 +502,5 @@ def test_serve_cli_options_reach_the_server(tmp_path, monkeypatch):
     assert settings.chat_template == SERVING_CHAT_TEMPLATE and options["port"] == 8000
     engine = app.state.server.engine
     assert engine.compile_choice == "eager" and engine.max_length == 48
+    assert re.search(r"step compiled in [0-9.]+ s", capsys.readouterr().out)
+    assert engine.storage.keys and engine.stats["forward_passes"] == 0  # warmed up, counters left at zero

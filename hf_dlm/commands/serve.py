@@ -62,6 +62,10 @@ def run(args) -> int:
                                       eos_token_id=tokenizer.eos_token_id,
                                       compile=True if args.compile == "true" else args.compile,
                                       max_length=args.max_length)
+    if engine.compiled is not None:  # compile before listening: the first client must not wait for the compiler
+        print(f"hf-dlm serve: compiling the engine step ({engine.compile_choice}) ...", flush=True)
+        done = engine.warmup()
+        print(f"hf-dlm serve: step compiled in {done['seconds']:.1f} s", flush=True)
     names = args.served_model_name or [args.model]
     chat_template = None
     if args.chat_template:

@@ -339,6 +339,7 @@ class ContinuousBatchingEngine:
                 self.storage.canvas[lane, :length] = torch.tensor(canvas, device=self.device)
 
     # ---- one scheduler iteration ---------------------------------------------------------------
+    @torch.inference_mode()  # always: a compiled step guards on the grad mode (another mode recompiles the model)
     def step(self):
         """Release cancelled rows, admit, one forward for every row with work, commit, end blocks."""
         for row in [row for row in self.running if row.request.cancelled]:
@@ -364,6 +365,30 @@ class ContinuousBatchingEngine:
     def run_until_idle(self):
         while self.has_work():
             self.step()
+
+    def warmup(self, rows: int = 2, prompt_tokens: int = 4) -> dict:
+        """Compiles the step before traffic, on the calling thread (vLLM compiles and captures at start-up too):
+        `rows` requests of `prompt_tokens` tokens decode one block, so the first client does not wait for the
+        compiler. The compiled step has dynamic sizes: later batches, refreshes and windows reuse its graph.
+        The counters are restored (warm-up is not traffic); returns {"seconds", "forwards", "graph_captures"}."""
+        if self.has_work() or (self.thread is not None and self.thread.is_alive()):
+            raise RuntimeError("warmup() runs before the engine takes requests (before start())")
+        block = self.sampling_params().block_length
+        if self.max_length is not None:  # a canvas the engine takes
+            block = max(1, min(block, self.max_length - prompt_tokens))
+        params = self.sampling_params(max_new_tokens=block, block_length=block, steps=2, temperature=0.0)
+        token = next(t for t in range(self.model.config.vocab_size) if t != self.mask_id and t not in self.eos_ids)
+        requests = [GenerationRequest([token] * prompt_tokens, params) for _ in range(rows)]
+        stats, start = dict(self.stats), time.monotonic()
+        self.submit(requests)
+        self.run_until_idle()
+        failed = next((r for r in requests if r.error is not None), None)
+        if failed is not None:
+            raise RuntimeError(f"the engine's warm-up request failed: {failed.error!r}") from failed.error
+        done = {"seconds": time.monotonic() - start, "forwards": self.stats["forward_passes"] - stats["forward_passes"],
+                "graph_captures": self.stats["graph_captures"] - stats["graph_captures"]}
+        self.stats = stats
+        return done
 
     def _forward(self, rows: list[_Row]) -> torch.Tensor:
         """ONE forward over every row's query span (+ guided rows' unconditional copies) -> logits (b, W, V) of
@@ -543,8 +568,7 @@ class ContinuousBatchingEngine:
                 if self.stopping and not self.has_work():
                     return
             try:
-                with torch.inference_mode():
-                    self.step()
+                self.step()
             except Exception as error:  # noqa: BLE001 (a bug in a callback must not hang every open request)
                 for row in list(self.running):
                     self._finish(row, "error", error)

@@ -44,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--grpo-steps", type=int, default=3)
     p.add_argument("--threshold", type=float, default=None, help="GRPO rollouts: threshold decoding (e.g. 0.9)")
     p.add_argument("--compile-rollouts", action="store_true", help="GRPO rollouts: the compiled decoding step")
+    p.add_argument("--micro-batch", type=int, default=0, help="GRPO: rows per loss micro-batch (0: all of a step's "
+                   "prompts x generations at once); the rollouts still decode the step's rows together (trl's "
+                   "generation batch = micro-batch x gradient accumulation)")
     a = p.parse_args(argv)
     if a.tiny:
         a.seq, a.mbs, a.steps, a.prompts, a.generations, a.prompt_len, a.completion, a.grpo_steps = (
@@ -184,8 +187,12 @@ def run_grpo(a, tokenizer, device, out_dir, lora: bool) -> dict:
         peft_config = dlm_lora_config(r=64, lora_alpha=64)
     timer = StepTimer(device)
     batch = a.prompts * a.generations
+    micro = a.micro_batch or batch
+    if batch % micro:
+        raise SystemExit(f"--micro-batch {micro} must divide prompts x generations ({batch})")
     args = DiffuGRPOConfig(**common_args(a, device, out_dir), max_steps=a.grpo_steps,
-                           per_device_train_batch_size=batch, num_generations=a.generations,
+                           per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
+                           num_generations=a.generations,
                            max_completion_length=a.completion,
                            generation_kwargs=rollout_kwargs(a),
                            learning_rate=1e-6, beta=0.04, logp_estimator="d1")

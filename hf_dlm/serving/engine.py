@@ -442,10 +442,14 @@ class ContinuousBatchingEngine:
         (`StepGraphs`, the sampler's graphs), captured against the current storage: a storage that grew (longer
         canvas, more lanes; never when preallocated, the default on CUDA) starts new graphs."""
         storage = (self.storage.canvas.data_ptr(), tuple(self.storage.keys[0].shape))
+        keys, values = self._layers(self.storage.keys), self._layers(self.storage.values)
         if self.graphs is None or self.graphs_storage != storage:
             self.graphs = StepGraphs(self.model, enabled=self.captures)
             self.graphs_storage = storage
-        keys, values = self._layers(self.storage.keys), self._layers(self.storage.values)
+            # the storage's sizes are fixed while these graphs live: static, they spare the compiler a few symbols
+            # per layer (dynamic, a 28-layer step compiled 2.2x slower: 442 s against 197 s, tiny width, CPU)
+            for tensor in keys + values:
+                torch._dynamo.mark_static(tensor)
         captured = self.graphs.captured
         # no duck sizing: sizes that happen to be equal (rows and lanes, queries and LM-head columns) would become
         # guards, and each later step that breaks one would recompile the whole model

@@ -139,24 +139,39 @@ async def run_level(url, clients, args, vocab, rng, stream=True):
     return timings, wall, before, after
 
 
-def engine_alone(engine, count, args, vocab, rng):
-    """Tokens/s of `count` requests like the HTTP clients' submitted at once to an engine without the server
-    (the second of two runs: the first compiles and captures)."""
+def engine_alone(engine, count, args, vocab, rng, clients=None):
+    """Tokens/s of `count` requests like the HTTP clients' on an engine without the server, in the clients'
+    pattern: `clients` requests at once, each client's next one submitted when its previous one is done (all at
+    once without `clients`). The second of two runs (the first compiles and captures)."""
     from hf_dlm.serving.engine import GenerationRequest
 
+    clients = min(clients or count, count)
+    params = engine.sampling_params(max_new_tokens=-(-args.max_tokens // args.block_length) * args.block_length,
+                                    block_length=args.block_length, steps=args.steps, temperature=0.0)
     for _ in range(2):
-        requests = [GenerationRequest([rng.randrange(vocab - 3) for _ in range(args.prompt_tokens)],
-                                      engine.sampling_params(max_new_tokens=-(-args.max_tokens // args.block_length)
-                                                             * args.block_length, block_length=args.block_length,
-                                                             steps=args.steps, temperature=0.0))
-                    for _ in range(count)]
+        left = [count // clients + (k < count % clients) for k in range(clients)]  # requests per client
+        done, finished = [], []
+
+        def send(k):
+            left[k] -= 1
+            request = GenerationRequest([rng.randrange(vocab - 3) for _ in range(args.prompt_tokens)], params,
+                                        on_done=lambda request, reason, error, k=k: done.append((k, request)))
+            engine.submit([request])
+
         _sync()
         start = time.perf_counter()
-        engine.submit(requests)
-        engine.run_until_idle()
+        for k in range(clients):
+            send(k)
+        while engine.has_work():
+            engine.step()
+            while done:
+                k, request = done.pop()
+                finished.append(request)
+                if left[k]:
+                    send(k)
         _sync()
         wall = time.perf_counter() - start
-    return sum(len(r.generated) for r in requests) / wall
+    return sum(len(r.generated) for r in finished) / wall
 
 
 def metric(text, name):
@@ -198,7 +213,7 @@ def serve_benchmark(model, tokenizer, args, report):
                           "hf_dlm_graph_captures_total")}
                 first = sorted(t[0] for t in timings)
                 http_tps = delta["hf_dlm_generated_tokens_total"] / wall
-                engine_tps = engine_alone(alone, len(timings), args, vocab, rng)
+                engine_tps = engine_alone(alone, len(timings), args, vocab, rng, clients)
                 row = {"clients": clients, "stream": stream, "requests": len(timings), "wall_s": round(wall, 2),
                        "requests_per_s": round(len(timings) / wall, 2), "output_tokens_per_s": round(http_tps, 1),
                        "engine_alone_tokens_per_s": round(engine_tps, 1), "http_over_engine": round(http_tps / engine_tps, 3),

@@ -142,7 +142,8 @@ async def run_level(url, clients, args, vocab, rng, stream=True):
 def engine_alone(engine, count, args, vocab, rng, clients=None):
     """Tokens/s of `count` requests like the HTTP clients' on an engine without the server, in the clients'
     pattern: `clients` requests at once, each client's next one submitted when its previous one is done (all at
-    once without `clients`). The second of two runs (the first compiles and captures)."""
+    once without `clients`). The second of two runs (the first compiles and captures) -> tokens/s, engine steps
+    and wall ms per step."""
     from hf_dlm.serving.engine import GenerationRequest
 
     clients = min(clients or count, count)
@@ -159,6 +160,7 @@ def engine_alone(engine, count, args, vocab, rng, clients=None):
             engine.submit([request])
 
         _sync()
+        steps, busy = engine.stats["engine_steps"], engine.stats["step_seconds"]
         start = time.perf_counter()
         for k in range(clients):
             send(k)
@@ -171,7 +173,9 @@ def engine_alone(engine, count, args, vocab, rng, clients=None):
                     send(k)
         _sync()
         wall = time.perf_counter() - start
-    return sum(len(r.generated) for r in finished) / wall
+    steps = engine.stats["engine_steps"] - steps
+    return {"tokens_per_s": sum(len(r.generated) for r in finished) / wall, "steps": steps,
+            "step_ms": 1000 * (engine.stats["step_seconds"] - busy) / max(steps, 1)}
 
 
 def metric(text, name):
@@ -210,10 +214,12 @@ def serve_benchmark(model, tokenizer, args, report):
                 timings, wall, before, after = asyncio.run(run_level(server.url, clients, args, vocab, rng, stream))
                 delta = {n: metric(after, n) - metric(before, n) for n in
                          ("hf_dlm_generated_tokens_total", "hf_dlm_forward_passes_total", "hf_dlm_forward_rows_total",
-                          "hf_dlm_graph_captures_total")}
+                          "hf_dlm_graph_captures_total", "hf_dlm_engine_steps_total",
+                          "hf_dlm_engine_step_seconds_total")}
                 first = sorted(t[0] for t in timings)
                 http_tps = delta["hf_dlm_generated_tokens_total"] / wall
-                engine_tps = engine_alone(alone, len(timings), args, vocab, rng, clients)
+                alone_run = engine_alone(alone, len(timings), args, vocab, rng, clients)
+                engine_tps, steps = alone_run["tokens_per_s"], delta["hf_dlm_engine_steps_total"]
                 row = {"clients": clients, "stream": stream, "requests": len(timings), "wall_s": round(wall, 2),
                        "requests_per_s": round(len(timings) / wall, 2), "output_tokens_per_s": round(http_tps, 1),
                        "engine_alone_tokens_per_s": round(engine_tps, 1), "http_over_engine": round(http_tps / engine_tps, 3),
@@ -223,7 +229,13 @@ def serve_benchmark(model, tokenizer, args, report):
                        "latency_mean_s": round(statistics.mean(t[1] for t in timings), 3),
                        "rows_per_forward": round(delta["hf_dlm_forward_rows_total"]
                                                  / max(delta["hf_dlm_forward_passes_total"], 1), 1),
-                       "graph_captures": int(delta["hf_dlm_graph_captures_total"])}
+                       "graph_captures": int(delta["hf_dlm_graph_captures_total"]),
+                       # where a gap to the engine alone lies: more steps (rows split over forwards), slower steps
+                       # (host work competing with the server's threads), or time between steps (busy share < 1)
+                       "engine_steps": int(steps), "engine_alone_steps": alone_run["steps"],
+                       "step_ms": round(1000 * delta["hf_dlm_engine_step_seconds_total"] / max(steps, 1), 2),
+                       "engine_alone_step_ms": round(alone_run["step_ms"], 2),
+                       "engine_busy_share": round(delta["hf_dlm_engine_step_seconds_total"] / wall, 3)}
                 report["serve"].append(row)
                 print(json.dumps(row), flush=True)
                 dump(report, args)
@@ -604,13 +616,16 @@ def main():
                   f"{r.get('tokens_equal_to_generate', '-')} |")
     if report["serve"]:
         print("| clients | stream | requests | requests/s | output tokens/s | engine alone tokens/s | HTTP / engine "
-              "| first block mean / p50 / p90 (s) | latency (s) | rows/forward | graph captures |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "| first block mean / p50 / p90 (s) | latency (s) | rows/forward | graph captures | steps HTTP / alone "
+              "| ms per step HTTP / alone | engine busy share |")
+        print("|---" * 14 + "|")
         for r in report["serve"]:
             print(f"| {r['clients']} | {r['stream']} | {r['requests']} | {r['requests_per_s']} | "
                   f"{r['output_tokens_per_s']:,} | {r['engine_alone_tokens_per_s']:,} | {r['http_over_engine']} | "
                   f"{r['first_block_mean_s']} / {r['first_block_p50_s']} / {r['first_block_p90_s']} | "
-                  f"{r['latency_mean_s']} | {r['rows_per_forward']} | {r['graph_captures']} |")
+                  f"{r['latency_mean_s']} | {r['rows_per_forward']} | {r['graph_captures']} | "
+                  f"{r['engine_steps']} / {r['engine_alone_steps']} | {r['step_ms']} / {r['engine_alone_step_ms']} | "
+                  f"{r['engine_busy_share']} |")
     if report["eval"]:
         print(json.dumps(report["eval"]))
 

@@ -436,3 +436,24 @@ def test_credit_decoding_equals_generate_in_the_engine_with_rows_joining(cache):
             plain = {k: v for k, v in options.items() if not k.startswith("credit_")}
             changed += request.generated != reference(model, ids, seed, **plain)
     assert changed >= 2  # the credit decided tokens in the engine too
+
+
+def test_step_seconds_count_each_steps_wall_time_also_when_a_step_raises(monkeypatch):
+    # /metrics hf_dlm_engine_step_seconds_total: a fake clock that advances 0.25 s per reading makes each step
+    # last exactly 0.25 s (one reading before, one after), a step whose forward raises included
+    import hf_dlm.serving.engine as engine_module
+
+    clock = iter(0.25 * i for i in range(10_000))
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: next(clock))
+    model = tiny_model("sdpa", eos_token_id=5)
+    engine = ContinuousBatchingEngine(model, max_batch_size=2)
+    request = GenerationRequest([3, 4, 7], engine.sampling_params(max_new_tokens=8, block_length=4, steps=8,
+                                                                   stop_on_eos=False))
+    engine.submit([request])
+    engine.run_until_idle()
+    assert engine.stats["engine_steps"] >= 8 and request.finish_reason == "length"
+    assert engine.stats["step_seconds"] == 0.25 * engine.stats["engine_steps"]
+    monkeypatch.setattr(engine, "_admit", lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        engine.step()
+    assert engine.stats["step_seconds"] == 0.25 * (engine.stats["engine_steps"] + 1)  # counted before it raised

@@ -274,6 +274,10 @@ def test_bounded_load_valid_answered_bad_rejected_and_batched(server):
     assert rows / passes > 1.0, (rows, passes)  # continuous batching: requests share forward passes
     assert 'hf_dlm_http_responses_total{path="/v1/completions",status="200"}' in after
     assert re.search(r"^hf_dlm_graph_captures_total 0$", after, re.M)  # CPU: no CUDA graphs
+    # every step ran one forward at most, and the steps' wall time is counted (the busy share of a run)
+    steps = metric(after, "hf_dlm_engine_steps_total") - metric(before, "hf_dlm_engine_steps_total")
+    busy = metric(after, "hf_dlm_engine_step_seconds_total") - metric(before, "hf_dlm_engine_step_seconds_total")
+    assert passes <= steps and busy > 0
 
 
 def test_serve_cli_shutdown_under_load_loses_no_accepted_request(server, tmp_path):

@@ -269,6 +269,10 @@ class DLMServer:
         metric("hf_dlm_max_rows_per_forward", "gauge", "largest forward batch so far", stats["max_forward_rows"])
         metric("hf_dlm_graph_captures_total", "counter", "step shapes captured as CUDA graphs (each capture costs "
                "about three forwards; a shape is captured the second time it is seen)", stats["graph_captures"])
+        metric("hf_dlm_engine_steps_total", "counter", "engine steps (each: admit, one forward, commit)",
+               stats["engine_steps"])
+        metric("hf_dlm_engine_step_seconds_total", "counter", "wall seconds inside engine steps (over elapsed time: "
+               "the engine's busy share)", stats["step_seconds"])
         metric("hf_dlm_queue_waiting", "gauge", "sequences waiting to join the batch", engine.num_waiting)
         metric("hf_dlm_running_rows", "gauge", "sequences in the running batch", engine.num_running)
         metric("hf_dlm_generated_tokens_total", "counter", "tokens committed", stats["generated_tokens"])

@@ -235,7 +235,7 @@ class ContinuousBatchingEngine:
         self.stats = {"forward_passes": 0, "forward_rows": 0, "forward_tokens": 0, "max_forward_rows": 0,
                       "engine_steps": 0, "requests_admitted": 0, "requests_finished": 0, "requests_failed": 0,
                       "requests_cancelled": 0, "generated_tokens": 0, "first_block_seconds_sum": 0.0,
-                      "first_block_count": 0, "graph_captures": 0}
+                      "first_block_count": 0, "graph_captures": 0, "step_seconds": 0.0}
 
     def sampling_params(self, **overrides) -> SamplingParams:
         return self.sampling_params_for(self.model, **overrides)
@@ -342,6 +342,13 @@ class ContinuousBatchingEngine:
     @torch.inference_mode()  # always: a compiled step guards on the grad mode (another mode recompiles the model)
     def step(self):
         """Release cancelled rows, admit, one forward for every row with work, commit, end blocks."""
+        start = time.perf_counter()
+        try:
+            self._step()
+        finally:  # wall time in steps (the commit waits for the device): against a run's wall, the engine's busy share
+            self.stats["step_seconds"] += time.perf_counter() - start
+
+    def _step(self):
         for row in [row for row in self.running if row.request.cancelled]:
             self._finish(row, "cancelled")
         self._admit()

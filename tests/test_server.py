@@ -123,6 +123,30 @@ def test_answer_text_is_cut_at_max_tokens_the_first_eos_and_the_earliest_stop_se
     assert decode_answer(Chars(), tokens, [0], ["gh"], 6) == ("abcdef", "length")  # beyond max_tokens: no stop
 
 
+def test_a_rows_stop_check_agrees_with_its_answer_and_decodes_only_for_stop_sequences():
+    # the engine thread asks each row at each block end whether its answer is finished: without stop sequences
+    # the ids decide (a tokenizer that cannot decode still gets the right answer), with them the text does
+    import types
+
+    from hf_dlm.serving.app import _Choice
+    from hf_dlm.serving.engine import decode_answer
+
+    class NoDecode:
+        def decode(self, ids, skip_special_tokens=True):
+            raise AssertionError("decoded on the engine thread")
+
+    tokens = [ord(c) for c in "abcdefgh"]
+    for generated in (tokens, tokens[:4], tokens[:3] + [0] + tokens[3:], [0] + tokens, tokens[:6] + [0]):
+        for max_tokens in (4, 5, 8, 12):
+            for stops, tokenizer in (([], NoDecode()), (["cd"], Chars()), (["xy"], Chars())):
+                choice = types.SimpleNamespace(stops=stops, max_tokens=max_tokens,
+                                               server=types.SimpleNamespace(tokenizer=tokenizer,
+                                                                            engine=types.SimpleNamespace(eos_ids=[0])))
+                choice.text = lambda c=choice: decode_answer(c.server.tokenizer, generated, [0], c.stops, c.max_tokens)
+                expected = decode_answer(Chars(), generated, [0], stops, max_tokens)[1] is not None
+                assert _Choice._stopped(choice, generated) == expected, (generated, max_tokens, stops)
+
+
 def test_invalid_json_names_no_field(server):
     for raw in (b'{"prompt": "the quick", "max_tokens": 4,, }', b'{"prompt": "x"', b"\xff\xfe{}", b"[" * 100000):
         response = httpx.post(server.url + "/v1/completions", content=raw, timeout=60,

@@ -94,6 +94,9 @@ class _Choice:
                              self.max_tokens)
 
     def _stopped(self, generated) -> bool:  # engine thread, at a block boundary
+        if not self.stops:  # EOS and max_tokens read from the ids: no decode of every row's text inside a step
+            eos = self.server.engine.eos_ids
+            return len(generated) >= self.max_tokens or any(t in eos for t in generated[: self.max_tokens])
         return self.text()[1] is not None
 
     def completion_tokens(self) -> int:

@@ -394,7 +394,7 @@ class ContinuousBatchingEngine:
             raise RuntimeError(f"the engine's warm-up request failed: {failed.error!r}") from failed.error
         done = {"seconds": time.monotonic() - start, "forwards": self.stats["forward_passes"] - stats["forward_passes"],
                 "graph_captures": self.stats["graph_captures"] - stats["graph_captures"]}
-        self.stats = stats
+        self.stats.update(stats)  # in place: /metrics and callers may hold the dict
         return done
 
     def _forward(self, rows: list[_Row]) -> torch.Tensor:

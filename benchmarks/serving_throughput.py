@@ -10,8 +10,9 @@
    torch.profiler: wall time per step (without and with the profiler) against the device's kernel time per step,
    and the operators / kernels by time (`profile_*.txt`).
 2. http: `hf-dlm serve`'s app on a real uvicorn (127.0.0.1): for each number of concurrent clients
-   (`--clients`), streamed /v1/completions requests; requests/s, output tokens/s, time to first block,
-   latency, rows per forward (from /metrics).
+   (`--clients`), streamed and whole /v1/completions requests from closed-loop clients in a process of their
+   own (`--clients-in`); requests/s, output tokens/s, time to first block, latency, rows per forward, engine
+   steps and ms per step (from /metrics), against the engine alone on as many requests in the same pattern.
 3. float8 (CUDA only): batch-1 `model.generate` (same shape and options, one token per step, dual cache,
    compiled) with bf16 weights and with float8 weights (`hf_dlm.generation.float8`): tokens/s and the share
    of tokens equal to bf16 decoding.
@@ -31,6 +32,7 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -40,7 +42,10 @@ def parse_args():
     p.add_argument("--tiny", action="store_true", help="CPU smoke run (tiny model, few requests)")
     p.add_argument("--parts", default="core,float8,http,eval", help="comma-separated, run in this order: core, "
                    "float8, http, eval")
-    p.add_argument("--shape", default="llada-8b", choices=("llada-8b", "qwen3-1.7b"))
+    p.add_argument("--shape", default="llada-8b", choices=("llada-8b", "qwen3-1.7b", "cpu-small"),
+                   help="cpu-small: hidden 128, 2 layers, a 512-word vocabulary (the HTTP path on a CPU)")
+    p.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads (0: torch's own); on a CPU, "
+                   "1 leaves a core to the server's event loop as a GPU does")
     p.add_argument("--batches", default="16,64")
     p.add_argument("--rules", default="one,threshold", help="comma-separated core settings: one (one token per step), "
                    "threshold (threshold 0.9)")
@@ -53,6 +58,11 @@ def parse_args():
                    "float8 (row scales), float8-tensor (tensor scales); the share of equal tokens needs bf16")
     p.add_argument("--clients", default="16,64")
     p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--clients-in", default="process", help="comma-separated, where the HTTP clients run: process (a "
+                   "process of their own, as a real load generator), thread (the server's process: they share its GIL)")
+    p.add_argument("--switch-intervals", default="0", help="comma-separated sys.setswitchinterval values (s) for the "
+                   "server's process at each level (0: Python's own, 5 ms): how long the engine thread may wait "
+                   "for the GIL that the event loop holds")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-length", type=int, default=32)
@@ -83,6 +93,9 @@ def build(args):
     if args.tiny:
         shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    elif args.shape == "cpu-small":
+        shape = dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     elif args.shape == "llada-8b":
         shape = dict(vocab_size=126464, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=32, head_dim=128)
@@ -139,6 +152,22 @@ async def run_level(url, clients, args, vocab, rng, stream=True):
     return timings, wall, before, after
 
 
+def _run_level_sync(url, clients, args, vocab, seed, stream):
+    import random
+
+    return asyncio.run(run_level(url, clients, args, vocab, random.Random(seed), stream))
+
+
+def run_clients(where, url, clients, args, vocab, seed, stream=True):
+    """One level of clients, in this process (their Python shares the server's GIL) or in a spawned one."""
+    if where == "thread":
+        return _run_level_sync(url, clients, args, vocab, seed, stream)
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_run_level_sync, (url, clients, args, vocab, seed, stream))
+
+
 def engine_alone(engine, count, args, vocab, rng, clients=None):
     """Tokens/s of `count` requests like the HTTP clients' on an engine without the server, in the clients'
     pattern: `clients` requests at once, each client's next one submitted when its previous one is done (all at
@@ -185,6 +214,36 @@ def metric(text, name):
     return 0.0
 
 
+def http_row(clients, stream, timings, wall, before, after, alone, alone_runs, args, vocab, rng) -> dict:
+    """A level's figures from its timings and /metrics deltas, beside the engine alone on as many requests."""
+    delta = {n: metric(after, n) - metric(before, n) for n in
+             ("hf_dlm_generated_tokens_total", "hf_dlm_forward_passes_total", "hf_dlm_forward_rows_total",
+              "hf_dlm_graph_captures_total", "hf_dlm_engine_steps_total", "hf_dlm_engine_step_seconds_total")}
+    first = sorted(t[0] for t in timings)
+    http_tps = delta["hf_dlm_generated_tokens_total"] / wall
+    key = (clients, len(timings))  # the same requests' pattern: one run serves every level like it
+    if key not in alone_runs:
+        alone_runs[key] = engine_alone(alone, len(timings), args, vocab, rng, clients)
+    alone_run = alone_runs[key]
+    engine_tps, steps = alone_run["tokens_per_s"], delta["hf_dlm_engine_steps_total"]
+    return {"clients": clients, "stream": stream, "requests": len(timings), "wall_s": round(wall, 2),
+            "requests_per_s": round(len(timings) / wall, 2), "output_tokens_per_s": round(http_tps, 1),
+            "engine_alone_tokens_per_s": round(engine_tps, 1), "http_over_engine": round(http_tps / engine_tps, 3),
+            "first_block_mean_s": round(statistics.mean(first), 3),
+            "first_block_p50_s": round(first[len(first) // 2], 3),
+            "first_block_p90_s": round(first[min(len(first) - 1, int(0.9 * len(first)))], 3),
+            "latency_mean_s": round(statistics.mean(t[1] for t in timings), 3),
+            "rows_per_forward": round(delta["hf_dlm_forward_rows_total"]
+                                      / max(delta["hf_dlm_forward_passes_total"], 1), 1),
+            "graph_captures": int(delta["hf_dlm_graph_captures_total"]),
+            # where a gap to the engine alone lies: more steps (rows split over forwards), slower steps
+            # (host work competing with the server's threads), or time between steps (busy share < 1)
+            "engine_steps": int(steps), "engine_alone_steps": alone_run["steps"],
+            "step_ms": round(1000 * delta["hf_dlm_engine_step_seconds_total"] / max(steps, 1), 2),
+            "engine_alone_step_ms": round(alone_run["step_ms"], 2),
+            "engine_busy_share": round(delta["hf_dlm_engine_step_seconds_total"] / wall, 3)}
+
+
 def serve_benchmark(model, tokenizer, args, report):
     import random
 
@@ -202,43 +261,33 @@ def serve_benchmark(model, tokenizer, args, report):
     server = ThreadedServer(create_app(engine, tokenizer, settings, log=print))
     try:
         log("http: warm-up, 2 requests (the server engine's first steps capture their CUDA graphs)")
-        asyncio.run(run_level(server.url, 2, argparse.Namespace(**{**vars(args), "requests_per_client": 1}), vocab,
-                              rng))  # warm-up: kernels, allocator
-        for clients in [int(c) for c in args.clients.split(",")]:
-            # an untimed level first: its arrival pattern's step shapes are captured as CUDA graphs at their
-            # second sight, as in a server that has run a while (the timed levels report the captures left)
-            log(f"http: {clients} clients, warm-up level")
-            asyncio.run(run_level(server.url, clients, args, vocab, rng))
+        one = argparse.Namespace(**{**vars(args), "requests_per_client": 1})
+        run_clients("thread", server.url, 2, one, vocab, 0)  # warm-up: kernels, allocator
+        default_interval = sys.getswitchinterval()
+        levels = [(c, where, float(si)) for c in args.clients.split(",") for where in args.clients_in.split(",")
+                  for si in args.switch_intervals.split(",")]
+        warmed, alone_runs = set(), {}
+        for seed, (clients, where, interval) in enumerate(levels, start=1):
+            clients = int(clients)
+            sys.setswitchinterval(interval or default_interval)
+            if clients not in warmed:
+                # an untimed level first: its arrival pattern's step shapes are captured as CUDA graphs at their
+                # second sight, as in a server that has run a while (the timed levels report the captures left)
+                log(f"http: {clients} clients, warm-up level")
+                run_clients(where, server.url, clients, args, vocab, 1000 + seed)
+                warmed.add(clients)
             for stream in (True, False):
-                log(f"http: {clients} clients, stream={stream}")
-                timings, wall, before, after = asyncio.run(run_level(server.url, clients, args, vocab, rng, stream))
-                delta = {n: metric(after, n) - metric(before, n) for n in
-                         ("hf_dlm_generated_tokens_total", "hf_dlm_forward_passes_total", "hf_dlm_forward_rows_total",
-                          "hf_dlm_graph_captures_total", "hf_dlm_engine_steps_total",
-                          "hf_dlm_engine_step_seconds_total")}
-                first = sorted(t[0] for t in timings)
-                http_tps = delta["hf_dlm_generated_tokens_total"] / wall
-                alone_run = engine_alone(alone, len(timings), args, vocab, rng, clients)
-                engine_tps, steps = alone_run["tokens_per_s"], delta["hf_dlm_engine_steps_total"]
-                row = {"clients": clients, "stream": stream, "requests": len(timings), "wall_s": round(wall, 2),
-                       "requests_per_s": round(len(timings) / wall, 2), "output_tokens_per_s": round(http_tps, 1),
-                       "engine_alone_tokens_per_s": round(engine_tps, 1), "http_over_engine": round(http_tps / engine_tps, 3),
-                       "first_block_mean_s": round(statistics.mean(first), 3),
-                       "first_block_p50_s": round(first[len(first) // 2], 3),
-                       "first_block_p90_s": round(first[min(len(first) - 1, int(0.9 * len(first)))], 3),
-                       "latency_mean_s": round(statistics.mean(t[1] for t in timings), 3),
-                       "rows_per_forward": round(delta["hf_dlm_forward_rows_total"]
-                                                 / max(delta["hf_dlm_forward_passes_total"], 1), 1),
-                       "graph_captures": int(delta["hf_dlm_graph_captures_total"]),
-                       # where a gap to the engine alone lies: more steps (rows split over forwards), slower steps
-                       # (host work competing with the server's threads), or time between steps (busy share < 1)
-                       "engine_steps": int(steps), "engine_alone_steps": alone_run["steps"],
-                       "step_ms": round(1000 * delta["hf_dlm_engine_step_seconds_total"] / max(steps, 1), 2),
-                       "engine_alone_step_ms": round(alone_run["step_ms"], 2),
-                       "engine_busy_share": round(delta["hf_dlm_engine_step_seconds_total"] / wall, 3)}
+                log(f"http: {clients} clients in a {where}, switch interval {sys.getswitchinterval() * 1e3:g} ms, "
+                    f"stream={stream}")
+                timings, wall, before, after = run_clients(where, server.url, clients, args, vocab, seed, stream)
+                sys.setswitchinterval(default_interval)  # the engine alone runs alone
+                row = http_row(clients, stream, timings, wall, before, after, alone, alone_runs, args, vocab, rng)
+                row.update(clients_in=where, switch_interval_ms=round(interval * 1e3 or default_interval * 1e3, 3))
+                sys.setswitchinterval(interval or default_interval)
                 report["serve"].append(row)
                 print(json.dumps(row), flush=True)
                 dump(report, args)
+        sys.setswitchinterval(default_interval)
     finally:
         server.stop(timeout=120)
 
@@ -584,6 +633,7 @@ def main():
         print_stacks_every(args.stacks_every)
     if args.tiny:
         args.clients, args.max_tokens, args.block_length, args.steps = "1,4", 8, 4, 4
+        args.clients_in, args.switch_intervals = "process,thread", "0.001"
         args.prompt_tokens, args.eval_docs, args.mc_num, args.eval_batch_size = 8, 10, 2, 8
         args.batches, args.new_tokens, args.arrivals, args.arrival_every = "2,4", 16, 4, 2
     if args.compile is None:
@@ -593,6 +643,8 @@ def main():
         raise SystemExit(f"--parts: unknown {sorted(unknown)} (choose from core, float8, http, eval)")
     import torch
 
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     model, tokenizer, device = build(args)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "args": vars(args),
               "core": [], "profile": [], "float8": None, "serve": [], "eval": None}
@@ -615,12 +667,12 @@ def main():
                   f"{r['captures_in_timed_run']} | {r.get('ratio_to_all_at_once', '-')} | "
                   f"{r.get('tokens_equal_to_generate', '-')} |")
     if report["serve"]:
-        print("| clients | stream | requests | requests/s | output tokens/s | engine alone tokens/s | HTTP / engine "
+        print("| clients | in | switch ms | stream | requests | requests/s | output tokens/s | engine alone tokens/s | HTTP / engine "
               "| first block mean / p50 / p90 (s) | latency (s) | rows/forward | graph captures | steps HTTP / alone "
               "| ms per step HTTP / alone | engine busy share |")
-        print("|---" * 14 + "|")
+        print("|---" * 16 + "|")
         for r in report["serve"]:
-            print(f"| {r['clients']} | {r['stream']} | {r['requests']} | {r['requests_per_s']} | "
+            print(f"| {r['clients']} | {r['clients_in']} | {r['switch_interval_ms']} | {r['stream']} | {r['requests']} | {r['requests_per_s']} | "
                   f"{r['output_tokens_per_s']:,} | {r['engine_alone_tokens_per_s']:,} | {r['http_over_engine']} | "
                   f"{r['first_block_mean_s']} / {r['first_block_p50_s']} / {r['first_block_p90_s']} | "
                   f"{r['latency_mean_s']} | {r['rows_per_forward']} | {r['graph_captures']} | "

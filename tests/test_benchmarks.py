@@ -4,6 +4,7 @@ Each runs as a user runs it (`python benchmarks/<name>.py --tiny`, a fresh inter
 the repository only through PYTHONPATH), on one thread: the CI machine has 2 shared cores.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -28,9 +29,22 @@ EXTRA_RUNS = [("llada2_mini.py", "--compile")]
 ALWAYS = {"serving_throughput.py": (("--stacks-every", "2"), "thread MainThread:")}
 
 
+def _http_levels_from_both_client_places(out: Path):
+    # the HTTP clients run in a process of their own (a load generator must not share the server's GIL) and,
+    # for comparison, in the server's process
+    rows = json.loads((out / "serving_throughput.json").read_text())["serve"]
+    assert {(r["clients_in"], r["stream"]) for r in rows} == {(w, s) for w in ("process", "thread") for s in (True, False)}
+    assert all(r["output_tokens_per_s"] > 0 and r["engine_steps"] > 0 for r in rows), rows
+
+
+# what a script's --tiny output must hold beyond its exit status
+CHECKS = {"serving_throughput.py": _http_levels_from_both_client_places}
+
+
 @pytest.mark.parametrize("name,options", [(name, ()) for name in SCRIPTS] + [(n, (o,)) for n, o in EXTRA_RUNS])
 def test_tiny_run(name, options, tmp_path):
     always, expected = ALWAYS.get(name, ((), ""))
+    check = CHECKS.get(name) if not options else None  # the plain --tiny run
     options = (*options, *always)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "OUT": str(tmp_path)}
@@ -38,3 +52,5 @@ def test_tiny_run(name, options, tmp_path):
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, f"{name} --tiny exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     assert expected in out.stderr, f"{name} --tiny {' '.join(options)}: {expected!r} not in stderr"
+    if check is not None:
+        check(tmp_path)

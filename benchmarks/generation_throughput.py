@@ -83,7 +83,7 @@ def parse_args():
     p.add_argument("--out", type=str, default=None, help="folder for generation_throughput.json / .md")
     args = p.parse_args()
     if args.tiny:
-        args.__dict__.update(train_seconds=min(args.train_seconds, 25), hidden_size=64, num_layers=2, num_heads=4,
+        args.__dict__.update(train_seconds=min(args.train_seconds, 8), hidden_size=64, num_layers=2, num_heads=4,
                              vocab_size=1024, seq_len=96, batch_size=16, gen_length=32, block_length=8,
                              num_prompts=4, prompt_width=16, batch_sizes="1,4", max_files=args.max_files or 40)
     if args.compile is None:

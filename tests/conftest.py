@@ -1,9 +1,14 @@
 """Fixtures only; the helpers they use live in tests/utils.py (no test imports conftest as a module)."""
 
+import os
+
 import pytest
 import torch
 
 from tests.utils import SFT_CHAT_TEMPLATE, tiny_model
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # `pytest -n N`: the workers share the cores, not each take all
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture

@@ -7,6 +7,11 @@ layers at hidden 64 by default). Prints one JSON line per depth.
 
     python benchmarks/engine_compile_time.py --layers 28            # Inductor (compile=True), CPU
     python benchmarks/engine_compile_time.py --tiny                 # 2 layers, Dynamo tracing only (seconds)
+    python benchmarks/engine_compile_time.py --layers 2,6 --compile aot_eager --fake-ops 15
+
+`--fake-ops N`: the compiler's fake-tensor propagation (shapes, strides and their symbols, op by op; Dynamo and
+AOT autograd both run it) timed per aten operator, the N costliest printed: which operators the compile time
+goes to.
 """
 
 from __future__ import annotations
@@ -21,19 +26,24 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="2 layers, compile='eager' (Dynamo only): a smoke run")
     p.add_argument("--layers", default="28", help="comma-separated depths")
-    p.add_argument("--compile", default="default", help="a DLMGenerationConfig.compile value")
+    p.add_argument("--compile", default="default", help="a DLMGenerationConfig.compile value, or aot_eager (Dynamo "
+                   "and AOT autograd without Inductor: the compiler's stages apart)")
+    p.add_argument("--fake-ops", type=int, default=0, help="time fake-tensor propagation per operator; print the "
+                   "N costliest (0: off)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
     if args.tiny:
-        args.layers, args.compile = "2", "eager"
+        args.layers, args.compile, args.fake_ops = "2", "eager", args.fake_ops or 5
 
     import torch
     from torch._dynamo.utils import counters
 
     from hf_dlm import DLMConfig, DLMForDiffusionLM
+    from hf_dlm.generation.slot_cache import ragged_forward
     from hf_dlm.serving.engine import ContinuousBatchingEngine
 
     rows = []
+    fake_ops = time_fake_ops() if args.fake_ops else None
     for layers in [int(n) for n in args.layers.split(",")]:
         config = DLMConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -44,18 +54,49 @@ def main():
         model = DLMForDiffusionLM(config).eval()
         torch._dynamo.reset()
         counters.clear()
-        engine = ContinuousBatchingEngine(model, max_batch_size=8, compile=args.compile, preallocate=True,
-                                          max_length=128)
+        engine = ContinuousBatchingEngine(model, max_batch_size=8, preallocate=True, max_length=128,
+                                          compile="eager" if args.compile == "aot_eager" else args.compile)
+        if args.compile == "aot_eager":  # the engine's own compiled step, on another backend
+            engine.compiled = torch.compile(ragged_forward, dynamic=True, backend="aot_eager")
+        if fake_ops is not None:
+            fake_ops.clear()
         start = time.monotonic()
         done = engine.warmup()
         rows.append({"layers": layers, "compile": args.compile, "warmup_s": round(time.monotonic() - start, 1),
                      "forwards": done["forwards"], "graphs": counters["stats"]["unique_graphs"],
                      "torch": torch.__version__, "threads": torch.get_num_threads()})
+        if fake_ops is not None:
+            rows[-1]["fake_propagation_s"] = round(sum(s for s, _ in fake_ops.values()), 2)
+            rows[-1]["fake_ops"] = [{"op": op, "seconds": round(s, 3), "calls": n} for op, (s, n) in
+                                    sorted(fake_ops.items(), key=lambda item: -item[1][0])[: args.fake_ops]]
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "engine_compile_time.json"), "w") as f:
             json.dump(rows, f, indent=2)
+
+
+def time_fake_ops() -> dict:
+    """{aten op: [seconds, calls]} of the outermost FakeTensorMode.dispatch calls from now on. FakeTensorMode
+    has no public hook per operator; this wraps its (private) dispatch method, for this diagnostic only."""
+    from torch._subclasses import fake_tensor
+
+    totals, depth, dispatch = {}, [0], fake_tensor.FakeTensorMode.dispatch
+
+    def timed(self, func, types, args=(), kwargs=None):
+        depth[0] += 1
+        start = time.perf_counter()
+        try:
+            return dispatch(self, func, types, args, kwargs)
+        finally:
+            depth[0] -= 1
+            if depth[0] == 0:  # nested calls (decompositions) count in their outer operator
+                entry = totals.setdefault(str(func), [0.0, 0])
+                entry[0] += time.perf_counter() - start
+                entry[1] += 1
+
+    fake_tensor.FakeTensorMode.dispatch = timed
+    return totals
 
 
 if __name__ == "__main__":

@@ -38,8 +38,16 @@ def _http_levels_from_both_client_places(out: Path):
     assert all(r["output_tokens_per_s"] > 0 and r["engine_steps"] > 0 for r in rows), rows
 
 
+def _fake_ops_timed(out: Path):
+    # the compile's fake-tensor propagation timed per operator: real operators, seconds inside the warm-up's
+    (row,) = json.loads((out / "engine_compile_time.json").read_text())
+    ops = row["fake_ops"]
+    assert len(ops) == 5 and all(op["op"].startswith("aten.") and op["calls"] > 0 for op in ops), ops
+    assert 0 < sum(op["seconds"] for op in ops) <= row["fake_propagation_s"] <= row["warmup_s"], row
+
+
 # what a script's --tiny output must hold beyond its exit status
-CHECKS = {"serving_throughput.py": _http_levels_from_both_client_places}
+CHECKS = {"serving_throughput.py": _http_levels_from_both_client_places, "engine_compile_time.py": _fake_ops_timed}
 
 
 @pytest.mark.parametrize("name,options", [(name, ()) for name in SCRIPTS] + EXTRA_RUNS)

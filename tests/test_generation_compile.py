@@ -79,8 +79,11 @@ def test_inductor_compiled_sampler_equals_eager_and_reuses_its_graphs():
 
 
 def test_compile_option_is_validated_and_saved(tmp_path):
-    with pytest.raises(ValueError, match="compile"):
-        DLMGenerationConfig.from_any(None, compile="fast")
+    for bad in ("fast", {"backend": "eager"}, ["eager"]):  # a dict or list is refused by name, not a TypeError
+        with pytest.raises(ValueError, match="compile"):
+            DLMGenerationConfig.from_any(None, compile=bad)
+        with pytest.raises(ValueError, match="compile"):
+            generation_compile.resolve_compile(bad, torch.device("cpu"))
     config = DLMGenerationConfig(compile="cudagraphs")
     config.save_pretrained(tmp_path)
     assert DLMGenerationConfig.from_pretrained(tmp_path).compile == "cudagraphs"

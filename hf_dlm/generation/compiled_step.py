@@ -53,7 +53,7 @@ def resolve_compile(value, device: torch.device) -> str | None:
         return None
     if value is True:
         return "default"  # on CUDA with hf-dlm's CUDA graphs around Inductor's kernels (StepGraphs)
-    if value not in COMPILE_CHOICES:
+    if not isinstance(value, str) or value not in COMPILE_CHOICES:  # a dict or list: not a key, no TypeError
         raise ValueError(f"DLMGenerationConfig.compile must be a bool or one of {tuple(COMPILE_CHOICES)}, "
                          f"got {value!r}")
     return value

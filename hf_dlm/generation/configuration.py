@@ -153,7 +153,8 @@ class DLMGenerationConfig(GenerationConfig):
                      "whole block; set one of them or unset")
         if self.cache not in CACHE_MODES:
             fail("cache", f"one of {CACHE_MODES}")
-        if self.compile not in (None, True, False) and self.compile not in COMPILE_CHOICES:
+        if self.compile not in (None, True, False) and not (isinstance(self.compile, str)
+                                                            and self.compile in COMPILE_CHOICES):  # dicts unhashable
             fail("compile", f"a bool or one of {tuple(COMPILE_CHOICES)}")
         if self.threshold is not None and not 0.0 <= float(self.threshold) <= 1.0:
             fail("threshold", "in [0, 1]")

@@ -8,6 +8,7 @@ layers at hidden 64 by default). Prints one JSON line per depth.
     python benchmarks/engine_compile_time.py --layers 28            # Inductor (compile=True), CPU
     python benchmarks/engine_compile_time.py --tiny                 # 2 layers, Dynamo tracing only (seconds)
     python benchmarks/engine_compile_time.py --layers 2,6 --compile aot_eager --fake-ops 15
+    python benchmarks/engine_compile_time.py --layers 6 --compile aot_eager --cprofile 25
 
 `--fake-ops N`: the compiler's fake-tensor propagation (shapes, strides and their symbols, op by op; Dynamo and
 AOT autograd both run it) timed per aten operator, the N costliest printed: which operators the compile time
@@ -17,8 +18,10 @@ goes to.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import time
 
 
@@ -30,10 +33,14 @@ def main():
                    "and AOT autograd without Inductor: the compiler's stages apart)")
     p.add_argument("--fake-ops", type=int, default=0, help="time fake-tensor propagation per operator; print the "
                    "N costliest (0: off)")
+    p.add_argument("--cprofile", type=int, default=0, help="print the warm-up's N costliest Python functions by own "
+                   "time (cProfile; 0: off; the warm-up seconds then include its overhead): the compiler's time outside any "
+                   "one operator")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
     if args.tiny:
         args.layers, args.compile, args.fake_ops = "2", "eager", args.fake_ops or 5
+        args.cprofile = args.cprofile or 5
 
     import torch
     from torch._dynamo.utils import counters
@@ -60,8 +67,14 @@ def main():
             engine.compiled = torch.compile(ragged_forward, dynamic=True, backend="aot_eager")
         if fake_ops is not None:
             fake_ops.clear()
+        profile = cProfile.Profile() if args.cprofile else None
         start = time.monotonic()
+        if profile is not None:
+            profile.enable()
         done = engine.warmup()
+        if profile is not None:
+            profile.disable()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(args.cprofile)
         rows.append({"layers": layers, "compile": args.compile, "warmup_s": round(time.monotonic() - start, 1),
                      "forwards": done["forwards"], "graphs": counters["stats"]["unique_graphs"],
                      "torch": torch.__version__, "threads": torch.get_num_threads()})

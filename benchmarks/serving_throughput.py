@@ -264,30 +264,32 @@ def serve_benchmark(model, tokenizer, args, report):
         one = argparse.Namespace(**{**vars(args), "requests_per_client": 1})
         run_clients("thread", server.url, 2, one, vocab, 0)  # warm-up: kernels, allocator
         default_interval = sys.getswitchinterval()
-        levels = [(c, where, float(si)) for c in args.clients.split(",") for where in args.clients_in.split(",")
-                  for si in args.switch_intervals.split(",")]
+        levels = [(int(c), where, float(si) or default_interval) for c in args.clients.split(",")
+                  for where in args.clients_in.split(",") for si in args.switch_intervals.split(",")]
+
+        def level(clients, where, interval, seed, stream=True):
+            sys.setswitchinterval(interval)  # the server's process during the level only: the engine alone runs alone
+            try:
+                return run_clients(where, server.url, clients, args, vocab, seed, stream)
+            finally:
+                sys.setswitchinterval(default_interval)
+
         warmed, alone_runs = set(), {}
         for seed, (clients, where, interval) in enumerate(levels, start=1):
-            clients = int(clients)
-            sys.setswitchinterval(interval or default_interval)
             if clients not in warmed:
                 # an untimed level first: its arrival pattern's step shapes are captured as CUDA graphs at their
                 # second sight, as in a server that has run a while (the timed levels report the captures left)
                 log(f"http: {clients} clients, warm-up level")
-                run_clients(where, server.url, clients, args, vocab, 1000 + seed)
+                level(clients, where, interval, 1000 + seed)
                 warmed.add(clients)
             for stream in (True, False):
-                log(f"http: {clients} clients in a {where}, switch interval {sys.getswitchinterval() * 1e3:g} ms, "
-                    f"stream={stream}")
-                timings, wall, before, after = run_clients(where, server.url, clients, args, vocab, seed, stream)
-                sys.setswitchinterval(default_interval)  # the engine alone runs alone
+                log(f"http: {clients} clients in a {where}, switch interval {interval * 1e3:g} ms, stream={stream}")
+                timings, wall, before, after = level(clients, where, interval, seed, stream)
                 row = http_row(clients, stream, timings, wall, before, after, alone, alone_runs, args, vocab, rng)
-                row.update(clients_in=where, switch_interval_ms=round(interval * 1e3 or default_interval * 1e3, 3))
-                sys.setswitchinterval(interval or default_interval)
+                row.update(clients_in=where, switch_interval_ms=round(interval * 1e3, 3))
                 report["serve"].append(row)
                 print(json.dumps(row), flush=True)
                 dump(report, args)
-        sys.setswitchinterval(default_interval)
     finally:
         server.stop(timeout=120)
 

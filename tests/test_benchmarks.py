@@ -30,7 +30,7 @@ EXTRA_RUNS = [("llada2_mini.py", ("--compile", "--skip", "generate", "dense"))]
 ALWAYS = {"serving_throughput.py": (("--stacks-every", "2"), "thread MainThread:")}
 
 
-def _http_levels_from_both_client_places(out: Path):
+def _http_levels_from_both_client_places(out: Path, stdout: str):
     # the HTTP clients run in a process of their own (a load generator must not share the server's GIL) and,
     # for comparison, in the server's process
     rows = json.loads((out / "serving_throughput.json").read_text())["serve"]
@@ -38,16 +38,18 @@ def _http_levels_from_both_client_places(out: Path):
     assert all(r["output_tokens_per_s"] > 0 and r["engine_steps"] > 0 for r in rows), rows
 
 
-def _fake_ops_timed(out: Path):
-    # the compile's fake-tensor propagation timed per operator: real operators, seconds inside the warm-up's
+def _compile_time_split(out: Path, stdout: str):
+    # the compile's fake-tensor propagation timed per operator (real operators, seconds inside the warm-up's),
+    # and the warm-up's cProfile table
     (row,) = json.loads((out / "engine_compile_time.json").read_text())
     ops = row["fake_ops"]
     assert len(ops) == 5 and all(op["op"].startswith("aten.") and op["calls"] > 0 for op in ops), ops
     assert 0 < sum(op["seconds"] for op in ops) <= row["fake_propagation_s"] <= row["warmup_s"], row
+    assert "function calls" in stdout and "Ordered by: internal time" in stdout, stdout[-2000:]
 
 
 # what a script's --tiny output must hold beyond its exit status
-CHECKS = {"serving_throughput.py": _http_levels_from_both_client_places, "engine_compile_time.py": _fake_ops_timed}
+CHECKS = {"serving_throughput.py": _http_levels_from_both_client_places, "engine_compile_time.py": _compile_time_split}
 
 
 @pytest.mark.parametrize("name,options", [(name, ()) for name in SCRIPTS] + EXTRA_RUNS)
@@ -62,4 +64,4 @@ def test_tiny_run(name, options, tmp_path):
     assert out.returncode == 0, f"{name} --tiny exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     assert expected in out.stderr, f"{name} --tiny {' '.join(options)}: {expected!r} not in stderr"
     if check is not None:
-        check(tmp_path)
+        check(tmp_path, out.stdout)

@@ -47,13 +47,18 @@ COMPILE_CHOICES = {
 MAX_COMPILED_GRAPHS = 256
 
 
+def is_compile_choice(value) -> bool:
+    """A valid `compile` field: a bool, None or a key of COMPILE_CHOICES (a dict or list is not, without a TypeError)."""
+    return value is None or isinstance(value, bool) or (isinstance(value, str) and value in COMPILE_CHOICES)
+
+
 def resolve_compile(value, device: torch.device) -> str | None:
     """The `compile` field -> a key of COMPILE_CHOICES or None (eager)."""
     if value is None or value is False:
         return None
     if value is True:
         return "default"  # on CUDA with hf-dlm's CUDA graphs around Inductor's kernels (StepGraphs)
-    if not isinstance(value, str) or value not in COMPILE_CHOICES:  # a dict or list: not a key, no TypeError
+    if not is_compile_choice(value):
         raise ValueError(f"DLMGenerationConfig.compile must be a bool or one of {tuple(COMPILE_CHOICES)}, "
                          f"got {value!r}")
     return value

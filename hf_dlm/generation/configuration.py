@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 from ..utils.errors import FieldError
 from .commit_rules import COUNT_RULES, REMASKING
 from .sampling import SCHEDULES
-from .compiled_step import COMPILE_CHOICES
+from .compiled_step import COMPILE_CHOICES, is_compile_choice
 
 CACHE_MODES = ("none", "prefix", "dual")
 
@@ -153,8 +153,7 @@ class DLMGenerationConfig(GenerationConfig):
                      "whole block; set one of them or unset")
         if self.cache not in CACHE_MODES:
             fail("cache", f"one of {CACHE_MODES}")
-        if self.compile not in (None, True, False) and not (isinstance(self.compile, str)
-                                                            and self.compile in COMPILE_CHOICES):  # dicts unhashable
+        if not is_compile_choice(self.compile):
             fail("compile", f"a bool or one of {tuple(COMPILE_CHOICES)}")
         if self.threshold is not None and not 0.0 <= float(self.threshold) <= 1.0:
             fail("threshold", "in [0, 1]")

@@ -13,9 +13,10 @@
    (`--clients`), streamed and whole /v1/completions requests from closed-loop clients in a process of their
    own (`--clients-in`); requests/s, output tokens/s, time to first block, latency, rows per forward, engine
    steps and ms per step (from /metrics), against the engine alone on as many requests in the same pattern.
-3. float8 (CUDA only): batch-1 `model.generate` (same shape and options, one token per step, dual cache,
-   compiled) with bf16 weights and with float8 weights (`hf_dlm.generation.float8`): tokens/s and the share
-   of tokens equal to bf16 decoding.
+3. float8: batch-1 `model.generate` (same shape and options, one token per step, dual cache, compiled) with
+   bf16 weights and with float8 weights (`hf_dlm.generation.float8`; CUDA only), the projections separate or
+   fused (`--fuse-projections no,yes`): tokens/s and the share of tokens equal to bf16 decoding;
+   `--profile-steps N` adds a profiled generate of each (device busy ms per token, kernel table).
 4. eval: a local multiple-choice task through `lm_eval.simple_evaluate` with the `hf-dlm` model (falls back
    to the model's `loglikelihood` when the harness cannot load its datasets here).
 Random weights: answers never end early (stop_on_eos off) and threshold decoding commits about one token
@@ -56,6 +57,8 @@ def parse_args():
                    "DLMGenerationConfig.compile value")
     p.add_argument("--float8-weights", default="bf16,float8", help="the float8 part's runs, in this order: bf16, "
                    "float8 (row scales), float8-tensor (tensor scales); the share of equal tokens needs bf16")
+    p.add_argument("--fuse-projections", default="no", help="the float8 part's runs, comma-separated: no (q / k / v "
+                   "and gate / up separate), yes (fused: model.fuse_projections())")
     p.add_argument("--clients", default="16,64")
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--clients-in", default="process", help="comma-separated, where the HTTP clients run: process (a "
@@ -582,45 +585,80 @@ def profile_run(engine, make_requests, every, args, title) -> dict:
 
 
 def float8_benchmark(model, args, report):
-    """Batch-1 decoding with bf16 and float8 weights: tokens/s and the share of tokens equal to bf16's."""
+    """Batch-1 decoding with bf16 and float8 weights, projections separate and fused (`--fuse-projections`):
+    tokens/s and the share of tokens equal to bf16's; with `--profile-steps`, one more generate of each under
+    torch.profiler (device busy time per token, kernel table). On a CPU only the bf16 runs are made."""
     import copy
 
     import torch
 
     from hf_dlm.generation.float8 import quantize_float8_for_decoding
 
-    if not torch.cuda.is_available():
-        print("float8: skipped (needs a CUDA GPU with float8 tensor cores)")
-        return
+    cuda = torch.cuda.is_available()
     ids = torch.randint(0, model.config.vocab_size - 3, (1, args.prompt_tokens),
                         generator=torch.Generator().manual_seed(1)).to(next(model.parameters()).device)
     options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, steps=args.new_tokens,
                    cache="dual", temperature=0.0, stop_on_eos=False, compile=compile_value(args))
     rows, report["float8"] = {}, {"batch": 1}
     granularity = {"float8": "row", "float8-tensor": "tensor"}
-    names = args.float8_weights.split(",")
-    if set(names) - {"bf16", *granularity}:
-        raise SystemExit(f"--float8-weights: unknown {sorted(set(names) - {'bf16', *granularity})} "
-                         f"(choose from bf16, {', '.join(granularity)})")
-    for name in names:
-        if name != "bf16":
-            log(f"float8: quantizing a copy of the model ({granularity[name]} scales)")
-        target = model if name == "bf16" else quantize_float8_for_decoding(copy.deepcopy(model), granularity[name])
-        for attempt in range(2):  # the first run compiles and captures
-            log(f"float8: {name} generate run {attempt + 1} of 2")
-            _sync()
-            start = time.perf_counter()
-            out = target.generate(ids, **options)
-            _sync()
-            wall = time.perf_counter() - start
-        rows[name] = out[0, args.prompt_tokens:]
-        report["float8"][f"{name}_tok_s"] = round(args.new_tokens / wall, 1)
-        dump(report, args)  # each figure as soon as it exists
-        del target
-    for name in sorted(set(rows) - {"bf16"}) if "bf16" in rows else ():
-        report["float8"][f"{name}_tokens_equal_to_bf16"] = round(float((rows[name] == rows["bf16"]).float().mean()), 3)
+    names, fusings = args.float8_weights.split(","), args.fuse_projections.split(",")
+    if set(names) - {"bf16", *granularity} or set(fusings) - {"no", "yes"}:
+        raise SystemExit(f"--float8-weights {args.float8_weights!r} / --fuse-projections {args.fuse_projections!r}: "
+                         f"choose from bf16, {', '.join(granularity)} / no, yes")
+    for fused in fusings:
+        for name in names:
+            key = name + ("_fused" if fused == "yes" else "")
+            if name != "bf16" and not cuda:
+                print(f"float8: {key} skipped (needs a CUDA GPU with float8 tensor cores)")
+                continue
+            target = model if key == "bf16" else copy.deepcopy(model)
+            if fused == "yes":
+                target.fuse_projections()
+            if name != "bf16":
+                log(f"float8: quantizing a copy of the model ({granularity[name]} scales)")
+                quantize_float8_for_decoding(target, granularity[name])
+            for attempt in range(2):  # the first run compiles and captures
+                log(f"float8: {key} generate run {attempt + 1} of 2")
+                _sync()
+                start = time.perf_counter()
+                out = target.generate(ids, **options)
+                _sync()
+                wall = time.perf_counter() - start
+            rows[key] = out[0, args.prompt_tokens:]
+            report["float8"][f"{key}_tok_s"] = round(args.new_tokens / wall, 1)
+            if args.profile_steps:
+                report["float8"][f"{key}_profile"] = profile_generate(target, ids, options, args, f"float8 {key}")
+            print(json.dumps({key: report["float8"][f"{key}_tok_s"]}), flush=True)
+            dump(report, args)  # each figure as soon as it exists
+            del target
+    for key in sorted(set(rows) - {"bf16"}) if "bf16" in rows else ():
+        report["float8"][f"{key}_tokens_equal_to_bf16"] = round(float((rows[key] == rows["bf16"]).float().mean()), 3)
     print(json.dumps(report["float8"]), flush=True)
     dump(report, args)
+
+
+def profile_generate(model, ids, options, args, title) -> dict:
+    """One `generate` under torch.profiler: wall and device busy time per new token, and the kernels by time
+    (`profile_*.txt` in --out)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        _sync()
+        start = time.perf_counter()
+        model.generate(ids, **options)
+        _sync()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    name = "profile_" + "".join(c if c.isalnum() else "_" for c in title) + ".txt"
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, name), "w") as f:
+        f.write(f"{title}: one generate, {args.new_tokens} new tokens\n"
+                f"{events.table(sort_by='self_device_time_total' if cuda else 'self_cpu_time_total', row_limit=40)}\n")
+    busy = sum(e.self_device_time_total for e in events) / 1e3 / args.new_tokens if cuda else None
+    return {"profiled_wall_ms_per_token": round(wall * 1e3 / args.new_tokens, 3),
+            "device_busy_ms_per_token": None if busy is None else round(busy, 3), "table": name}
 
 
 def dump(report, args):
@@ -636,6 +674,7 @@ def main():
     if args.tiny:
         args.clients, args.max_tokens, args.block_length, args.steps = "1,4", 8, 4, 4
         args.clients_in, args.switch_intervals = "process,thread", "0.001"
+        args.fuse_projections, args.profile_steps, args.profile_skip = "no,yes", 2, 1
         args.prompt_tokens, args.eval_docs, args.mc_num, args.eval_batch_size = 8, 10, 2, 8
         args.batches, args.new_tokens, args.arrivals, args.arrival_every = "2,4", 16, 4, 2
     if args.compile is None:

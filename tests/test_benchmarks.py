@@ -30,10 +30,15 @@ EXTRA_RUNS = [("llada2_mini.py", ("--compile", "--skip", "generate", "dense"))]
 ALWAYS = {"serving_throughput.py": (("--stacks-every", "2"), "thread MainThread:")}
 
 
-def _http_levels_from_both_client_places(out: Path, stdout: str):
+def _serving_parts(out: Path, stdout: str):
     # the HTTP clients run in a process of their own (a load generator must not share the server's GIL) and,
-    # for comparison, in the server's process
-    rows = json.loads((out / "serving_throughput.json").read_text())["serve"]
+    # for comparison, in the server's process; the batch-1 part decodes with fused projections too (the same
+    # tokens in fp32), profiled
+    report = json.loads((out / "serving_throughput.json").read_text())
+    batch1 = report["float8"]
+    assert batch1["bf16_fused_tokens_equal_to_bf16"] == 1.0 and batch1["bf16_fused_tok_s"] > 0, batch1
+    assert (out / batch1["bf16_fused_profile"]["table"]).exists() and len(report["profile"]) == 2, report["profile"]
+    rows = report["serve"]
     assert {(r["clients_in"], r["stream"]) for r in rows} == {(w, s) for w in ("process", "thread") for s in (True, False)}
     assert all(r["output_tokens_per_s"] > 0 and r["engine_steps"] > 0 for r in rows), rows
 
@@ -49,7 +54,7 @@ def _compile_time_split(out: Path, stdout: str):
 
 
 # what a script's --tiny output must hold beyond its exit status
-CHECKS = {"serving_throughput.py": _http_levels_from_both_client_places, "engine_compile_time.py": _compile_time_split}
+CHECKS = {"serving_throughput.py": _serving_parts, "engine_compile_time.py": _compile_time_split}
 
 
 @pytest.mark.parametrize("name,options", [(name, ()) for name in SCRIPTS] + EXTRA_RUNS)

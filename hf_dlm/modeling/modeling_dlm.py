@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 from transformers.utils import ModelOutput
 
 from .configuration_dlm import DLMConfig
+from .fused_projections import fuse_projections, has_fused_projections, unfuse_projections
 from ..generation.sampler import DLMGenerationMixin
 from .loss import masked_lm_loss
 from .masks import build_attention_mask
@@ -98,6 +99,10 @@ class DLMMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self, "gate_up_proj", None)  # decoding (fused_projections.py)
+        if fused is not None:
+            gate, up = fused(x).split(fused.split_sizes, -1)
+            return self.down_proj(self.act_fn(gate) * up)
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -148,9 +153,14 @@ class DLMAttention(nn.Module):
     def forward(self, hidden_states, position_embeddings, attention_mask=None, kv_cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape)  # (B, L, nh, hd)
-        key = self.k_proj(hidden_states).view(hidden_shape)  # (B, L, nkv, hd)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, nkv, L, hd)
+        fused = getattr(self, "qkv_proj", None)  # decoding (fused_projections.py)
+        if fused is not None:
+            query, key, value = fused(hidden_states).split(fused.split_sizes, -1)
+        else:
+            query, key, value = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        query = query.view(hidden_shape)  # (B, L, nh, hd)
+        key = key.view(hidden_shape)  # (B, L, nkv, hd)
+        value = value.view(hidden_shape).transpose(1, 2)  # (B, nkv, L, hd)
         if self.config.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         cos, sin = position_embeddings
@@ -270,11 +280,24 @@ class DLMPreTrainedModel(PreTrainedModel):
         >= 5.24 attaches to the old name: trl (rollout unwrapping) and peft still read it on every step."""
         return any(getattr(module, "gradient_checkpointing", False) for module in self.modules())
 
+    def fuse_projections(self):
+        """In place, for decoding: q / k / v and gate / up as one linear layer each (`fused_projections.py`:
+        faster small-batch decoding steps); `unfuse_projections()` undoes it. Returns the model."""
+        return fuse_projections(self)
+
+    def unfuse_projections(self):
+        return unfuse_projections(self)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save, plus self-contained remote code, `auto_map` and a model card
         (`hf_dlm.hub.publish`, reached through the `utils.publishing` hook: hub/ sits above modeling), so the
         folder loads with `trust_remote_code=True` without hf-dlm."""
         from ..utils.publishing import publisher
+
+        if has_fused_projections(self):
+            raise ValueError(f"save_pretrained({str(save_directory)!r}): the model's projections are fused for "
+                             "decoding (fuse_projections), which changes its weight names; call "
+                             "model.unfuse_projections() before saving")
 
         return publisher().save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
 

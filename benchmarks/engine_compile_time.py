@@ -9,6 +9,10 @@ layers at hidden 64 by default). Prints one JSON line per depth.
     python benchmarks/engine_compile_time.py --tiny                 # 2 layers, Dynamo tracing only (seconds)
     python benchmarks/engine_compile_time.py --layers 2,6 --compile aot_eager --fake-ops 15
     python benchmarks/engine_compile_time.py --layers 6 --compile aot_eager --cprofile 25
+    python benchmarks/engine_compile_time.py --layers 2,6,28 --graph regional,whole
+
+`--graph`: the engine compiles each decoder layer through one shared graph (regional, the default); `whole`
+compiles the whole forward as one graph, as the engine did before (its time grows with the depth).
 
 `--fake-ops N`: the compiler's fake-tensor propagation (shapes, strides and their symbols, op by op; Dynamo and
 AOT autograd both run it) timed per aten operator, the N costliest printed: which operators the compile time
@@ -31,6 +35,9 @@ def main():
     p.add_argument("--layers", default="28", help="comma-separated depths")
     p.add_argument("--compile", default="default", help="a DLMGenerationConfig.compile value, or aot_eager (Dynamo "
                    "and AOT autograd without Inductor: the compiler's stages apart)")
+    p.add_argument("--graph", default="regional", help="comma-separated: regional (the engine's step: one graph "
+                   "per kind of decoder layer, CompiledRaggedForward) and / or whole (the whole forward as one graph, "
+                   "the engine's step before 2026-12-07)")
     p.add_argument("--fake-ops", type=int, default=0, help="time fake-tensor propagation per operator; print the "
                    "N costliest (0: off)")
     p.add_argument("--cprofile", type=int, default=0, help="print the warm-up's N costliest Python functions by own "
@@ -39,19 +46,23 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
     if args.tiny:
-        args.layers, args.compile, args.fake_ops = "2", "eager", args.fake_ops or 5
+        args.layers, args.compile, args.fake_ops, args.graph = "2", "eager", args.fake_ops or 5, "regional,whole"
         args.cprofile = args.cprofile or 5
 
     import torch
     from torch._dynamo.utils import counters
 
     from hf_dlm import DLMConfig, DLMForDiffusionLM
-    from hf_dlm.generation.slot_cache import ragged_forward
+    from hf_dlm.generation.compiled_step import COMPILE_CHOICES
+    from hf_dlm.generation.slot_cache import CompiledRaggedForward, ragged_forward
     from hf_dlm.serving.engine import ContinuousBatchingEngine
 
     rows = []
     fake_ops = time_fake_ops() if args.fake_ops else None
-    for layers in [int(n) for n in args.layers.split(",")]:
+    graphs = args.graph.split(",")
+    if set(graphs) - {"regional", "whole"}:
+        raise SystemExit(f"--graph: unknown {sorted(set(graphs) - {'regional', 'whole'})} (choose from regional, whole)")
+    for layers, graph in [(int(n), g) for n in args.layers.split(",") for g in graphs]:
         config = DLMConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                            qk_norm=True, tie_word_embeddings=True, mask_token_id=511, eos_token_id=510,
@@ -63,8 +74,9 @@ def main():
         counters.clear()
         engine = ContinuousBatchingEngine(model, max_batch_size=8, preallocate=True, max_length=128,
                                           compile="eager" if args.compile == "aot_eager" else args.compile)
-        if args.compile == "aot_eager":  # the engine's own compiled step, on another backend
-            engine.compiled = torch.compile(ragged_forward, dynamic=True, backend="aot_eager")
+        options = dict(backend="aot_eager") if args.compile == "aot_eager" else COMPILE_CHOICES[engine.compile_choice]
+        engine.compiled = CompiledRaggedForward(**options) if graph == "regional" else torch.compile(
+            ragged_forward, dynamic=True, **options)
         if fake_ops is not None:
             fake_ops.clear()
         profile = cProfile.Profile() if args.cprofile else None
@@ -75,7 +87,7 @@ def main():
         if profile is not None:
             profile.disable()
             pstats.Stats(profile).sort_stats("tottime").print_stats(args.cprofile)
-        rows.append({"layers": layers, "compile": args.compile, "warmup_s": round(time.monotonic() - start, 1),
+        rows.append({"layers": layers, "graph": graph, "compile": args.compile, "warmup_s": round(time.monotonic() - start, 1),
                      "forwards": done["forwards"], "graphs": counters["stats"]["unique_graphs"],
                      "torch": torch.__version__, "threads": torch.get_num_threads()})
         if fake_ops is not None:

@@ -122,7 +122,7 @@ def test_compiled_step_sees_the_slot_storage_static_and_the_step_sizes_dynamic()
     # the storage's sizes are fixed while its graphs live: static to the compiler they spare it a few symbols
     # per layer (a 28-layer step compiled in 197 s instead of 442 s, benchmarks/RESULTS.md); the step's own
     # tensors stay dynamic (one graph for every batch and phase)
-    from hf_dlm.generation.slot_cache import ragged_forward
+    from hf_dlm.generation.slot_cache import CompiledRaggedForward
 
     torch._dynamo.reset()
     shapes = {}
@@ -136,9 +136,30 @@ def test_compiled_step_sees_the_slot_storage_static_and_the_step_sizes_dynamic()
 
     model = tiny_model("sdpa", eos_token_id=5, max_position_embeddings=96)
     engine = ContinuousBatchingEngine(model, max_batch_size=3, compile="eager", preallocate=True)
-    engine.compiled = torch.compile(ragged_forward, dynamic=True, backend=recording_backend)
+    engine.compiled = CompiledRaggedForward(backend=recording_backend)
     engine.warmup()
-    storage = {name: shape for name, shape in shapes.items() if name.startswith(("l_keys_", "l_values_"))}
-    assert len(storage) == 2 * model.config.num_hidden_layers
-    assert all(shape == (3, 129, 2, 8) for shape in storage.values()), storage  # lanes, slots + trash, heads, size
+    # the layer step's storage inputs: one layer's keys and values
+    assert shapes["l_keys_"] == shapes["l_values_"] == (3, 129, 2, 8), shapes  # lanes, slots + trash, heads, size
     assert isinstance(shapes["l_token_slot_"][0], str) and isinstance(shapes["l_mask_"][0], str)  # symbols
+
+
+def test_the_compiled_step_traces_one_layer_whatever_the_depth():
+    # regional compilation: the decoder layers share one graph, so the compiler's work (minutes for a 28-layer
+    # dynamic-size step) does not grow with the depth. Tokens equal generate alone.
+    from torch._dynamo.utils import counters
+
+    traced = []
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        counters.clear()
+        model = tiny_model("sdpa", eos_token_id=5, max_position_embeddings=96, num_hidden_layers=layers)
+        engine = ContinuousBatchingEngine(model, max_batch_size=3, compile="eager", preallocate=True)
+        engine.warmup()
+        ids, options = [3, 4, 5, 6], dict(max_new_tokens=8, block_length=4, steps=8, cache="dual", stop_on_eos=False)
+        request = GenerationRequest(ids, engine.sampling_params(**options))
+        engine.submit([request])
+        engine.run_until_idle()
+        assert request.generated == model.generate(torch.tensor([ids]), **options)[0, len(ids):].tolist()
+        traced.append((counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]))
+    assert traced[0] == traced[1], traced  # the same graphs at 2 and 4 layers
+    assert traced[0][0] == 1, traced

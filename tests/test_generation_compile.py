@@ -153,3 +153,21 @@ def test_step_graphs_key_on_shapes_and_flags(emulated_graphs):
     graphs(forward, dict(x=torch.ones(2)), return_kv=True)
     graphs(forward, dict(x=torch.ones(2)), return_kv=True)
     assert len(captures) == 2  # a flag is part of the key
+
+
+def test_compiled_generate_traces_one_layer_whatever_the_depth():
+    # regional compilation (`CompiledStaticForward`): the decoder layers share one graph per step shape, so the
+    # compile time (~50 s at 8B on an H200 for the whole forward) does not grow with the depth
+    from torch._dynamo.utils import counters
+
+    _, input_ids, attention_mask = left_padded([5, 9])
+    options = dict(max_new_tokens=8, block_length=4, steps=8, temperature=0.0, cache="dual")
+    traced = []
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        counters.clear()
+        model = tiny_model("sdpa", num_hidden_layers=layers)
+        compiled = model.generate(input_ids, attention_mask=attention_mask, compile="eager", **options)
+        assert torch.equal(compiled, model.generate(input_ids, attention_mask=attention_mask, **options))
+        traced.append((counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]))
+    assert traced[0] == traced[1] and traced[0][0] == 2, traced  # the refresh and the window step

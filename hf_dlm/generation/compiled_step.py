@@ -102,13 +102,54 @@ def static_forward(model, input_ids, position_ids, key_padding, key_position_ids
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {choice: compiled function}
 
 
+class _LayerSplicedKV(_SplicedKV):
+    """`_SplicedKV` over one layer's cache, whatever the layer's index (the compiled layer reads none)."""
+
+    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
+        return super().update(0, key, value)
+
+
+def _static_layer(layer, hidden_states, mask, position_embeddings, past_key, past_value, slots):
+    """One decoder layer of `static_forward` -> (hidden states, its fresh keys, values)."""
+    cache = _LayerSplicedKV(None if past_key is None else ([past_key], [past_value]), slots)
+    hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings, kv_cache=cache)
+    return hidden_states, *cache.fresh[0]
+
+
+class CompiledStaticForward:
+    """`static_forward` with each decoder layer through one compiled function (regional compilation): the
+    identical layers share a graph per shape, so compiling does not grow with the depth (the whole forward as
+    one graph compiled every layer: ~50 s for the LLaDA-8B shape's two shapes on an H200). Embeddings, mask,
+    norm and LM head run eagerly around it; on CUDA the whole step is still one CUDA graph (`StepGraphs`)."""
+
+    def __init__(self, **compile_options):
+        self.layer_step = torch.compile(_static_layer, dynamic=False, **compile_options)
+
+    def __call__(self, model, input_ids, position_ids, key_padding, key_position_ids, head_index, past=None,
+                 slots=None, return_kv: bool = False):
+        fresh = []
+
+        def run_layer(i, layer, hidden_states, mask, position_embeddings):
+            past_key, past_value = (None, None) if past is None else (past[0][i], past[1][i])
+            hidden_states, key, value = self.layer_step(layer, hidden_states, mask, position_embeddings, past_key,
+                                                        past_value, slots)
+            fresh.append((key, value))
+            return hidden_states
+
+        hidden_states = model.model.forward_window(input_ids, None, position_ids, key_padding, key_position_ids, None,
+                                                   run_layer=run_layer)
+        logits = model.lm_head(hidden_states.index_select(1, head_index))
+        if not return_kv:
+            return logits
+        return logits, torch.stack([k for k, _ in fresh]), torch.stack([v for _, v in fresh])
+
+
 def compiled_forward(model, choice: str):
-    """`static_forward` compiled with COMPILE_CHOICES[choice], kept per model (weakly: not an attribute,
-    so copying or saving the model never meets it). Dynamo keeps the graphs on `static_forward` itself,
-    so later calls reuse them whichever wrapper calls."""
+    """`static_forward` compiled with COMPILE_CHOICES[choice] (`CompiledStaticForward`), kept per model
+    (weakly: not an attribute, so copying or saving the model never meets it)."""
     store = _COMPILED.setdefault(model, {})
     if choice not in store:
-        store[choice] = torch.compile(static_forward, dynamic=False, **COMPILE_CHOICES[choice])
+        store[choice] = CompiledStaticForward(**COMPILE_CHOICES[choice])
     return store[choice]
 
 
@@ -198,5 +239,6 @@ class StepGraphs:
         return None
 
 
-__all__ = ["COMPILE_CHOICES", "MAX_COMPILED_GRAPHS", "CapturedStep", "StepGraphs", "compiled_forward",
+__all__ = ["COMPILE_CHOICES", "MAX_COMPILED_GRAPHS", "CapturedStep", "CompiledStaticForward", "StepGraphs",
+           "compiled_forward",
            "resolve_compile", "static_forward"]

@@ -165,18 +165,22 @@ class RaggedKV:
             self._groups = (self.q_index, valid)
         return self._groups
 
+    def storage_of(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer_idx], self.values[layer_idx]
+
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
         """key / value (1, nkv, T, hd) fresh for the packed queries."""
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys, values = self.storage_of(layer_idx)
         keys[self.token_lane, self.token_slot] = key[0].transpose(0, 1).to(keys.dtype)
         values[self.token_lane, self.token_slot] = value[0].transpose(0, 1).to(values.dtype)
         return key, value
 
     def attention(self, module, query: torch.Tensor, key=None, value=None) -> torch.Tensor:
         """query (1, nh, T, hd) -> attention output (1, T, nh, hd): per row against its lane's keys / values."""
-        layer, width = module.layer_idx, self.mask.shape[-1]  # the step's K slots (`RaggedStep`)
-        keys = self.keys[layer][:, :width].index_select(0, self.lanes).transpose(1, 2)  # (b, nkv, K, hd)
-        values = self.values[layer][:, :width].index_select(0, self.lanes).transpose(1, 2)
+        width = self.mask.shape[-1]  # the step's K slots (`RaggedStep`)
+        keys, values = self.storage_of(module.layer_idx)
+        keys = keys[:, :width].index_select(0, self.lanes).transpose(1, 2)  # (b, nkv, K, hd)
+        values = values[:, :width].index_select(0, self.lanes).transpose(1, 2)
         queries = query[0].transpose(0, 1)[self.q_index].transpose(1, 2)  # (b, nh, Q, hd)
         if keys.shape[1] != queries.shape[1]:  # grouped-query attention
             repeat = queries.shape[1] // keys.shape[1]
@@ -214,6 +218,40 @@ def ragged_forward(model, input_ids, head_index, positions, mask, keys, values, 
     return model.lm_head(hidden_states[head_index])
 
 
+class _LayerKV(RaggedKV):
+    """One layer's storage, whatever the layer's index: the compiled layer step reads none (one graph serves
+    every layer)."""
+
+    def storage_of(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
+
+
+def _ragged_layer(layer, hidden_states, position_embeddings, mask, keys, values, token_lane, token_slot, token_row,
+                  token_qpos, q_index, lanes):
+    cache = _LayerKV(keys, values, token_lane, token_slot, token_row, token_qpos, q_index, mask, lanes)
+    return layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings, kv_cache=cache)
+
+
+class CompiledRaggedForward:
+    """`ragged_forward` with each decoder layer through one compiled function (regional compilation, as
+    PyTorch's recipe for repeated blocks): the identical layers share one graph, so the compile time does not
+    grow with the depth, where compiling the whole forward traces and compiles every layer (the symbolic
+    shape work of a dynamic-size step is ~3.5 s a layer on a CPU, benchmarks/RESULTS.md). Embeddings, norm and
+    LM head run eagerly around it; on CUDA the whole step is still captured as one graph (`StepGraphs`).
+    Layers of another kind (MoE beside dense) compile a graph of their own."""
+
+    def __init__(self, **compile_options):
+        self.layer_step = torch.compile(_ragged_layer, dynamic=True, **compile_options)
+
+    def __call__(self, model, input_ids, head_index, positions, mask, keys, values, **index):
+        def run_layer(i, layer, hidden_states, attention_mask, position_embeddings):
+            return self.layer_step(layer, hidden_states, position_embeddings, mask, keys[i], values[i], **index)
+
+        hidden_states = model.model.forward_window(input_ids, None, positions, mask, positions, None,
+                                                   run_layer=run_layer)[0]
+        return model.lm_head(hidden_states[head_index])
+
+
 def first_ragged_forward(model, storage: SlotStorage, input_ids, head_index, positions, mask, **tensors):
     """`ragged_forward` that allocates the storage; raises when the model's attention ignored the ragged cache."""
     cache = _Allocating(storage, mask=mask, **tensors)
@@ -224,4 +262,4 @@ def first_ragged_forward(model, storage: SlotStorage, input_ids, head_index, pos
     return model.lm_head(hidden_states[head_index])
 
 
-__all__ = ["RaggedKV", "RaggedStep", "SlotStorage", "bucket", "first_ragged_forward", "ragged_forward"]
+__all__ = ["CompiledRaggedForward", "RaggedKV", "RaggedStep", "SlotStorage", "bucket", "first_ragged_forward", "ragged_forward"]

@@ -416,11 +416,13 @@ class DLMModel(DLMPreTrainedModel):
         return BaseModelOutput(last_hidden_state=hidden_states)
 
     def forward_window(self, input_ids, inputs_embeds, position_ids, key_padding, key_position_ids, kv_cache,
-                       **kwargs) -> torch.Tensor:
+                       run_layer=None, **kwargs) -> torch.Tensor:
         """The samplers' forward: queries (b, Q) at `position_ids` against keys (b, K) described by
         `key_padding` (1 = real; None: no padding) and `key_position_ids`, whose keys / values `kv_cache` supplies (its
         `update(layer_idx, key, value)` returns all keys). Queries sit at the end of the keys, or, for
         bidirectional dual caching, anywhere: only the padded-query self-clause reads the offset.
+        run_layer(index, layer, hidden_states, mask, position_embeddings) -> hidden_states, if given, runs each
+        decoder layer (the serving engine's compiled layer step, with its own cache per layer).
         -> final-normed hidden states (b, Q, H)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -432,7 +434,10 @@ class DLMModel(DLMPreTrainedModel):
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
+            if run_layer is not None:
+                hidden_states = run_layer(index, layer, hidden_states, mask, position_embeddings)
+                continue
             hidden_states = layer(
                 hidden_states, attention_mask=mask, position_embeddings=position_embeddings, kv_cache=kv_cache, **kwargs
             )

@@ -35,7 +35,8 @@ from ..generation.commit_rules import CommitSettings, block_candidates, decide_s
 from ..generation.compiled_step import COMPILE_CHOICES, MAX_COMPILED_GRAPHS, StepGraphs, resolve_compile
 from ..generation.row_schedule import RowSchedule
 from ..generation.sampling import block_bounds, finished_rows
-from ..generation.slot_cache import RaggedStep, SlotStorage, first_ragged_forward, ragged_forward
+from ..generation.slot_cache import (CompiledRaggedForward, RaggedStep, SlotStorage, first_ragged_forward,
+                                     ragged_forward)
 from ..utils.errors import FieldError
 
 logger = logging.getLogger(__name__)
@@ -221,8 +222,8 @@ class ContinuousBatchingEngine:
         self.stopping = False
         self.thread: threading.Thread | None = None
         self.compile_choice = resolve_compile(compile, self.device)
-        self.compiled = None if self.compile_choice is None else torch.compile(
-            ragged_forward, dynamic=True, **COMPILE_CHOICES[self.compile_choice])
+        self.compiled = None if self.compile_choice is None else CompiledRaggedForward(
+            **COMPILE_CHOICES[self.compile_choice])
         self.graphs, self.graphs_storage = None, None
         self.plan_key, self.plan = None, None  # the last step's RaggedStep: reused while no row changes its span
         self.captures = self.compile_choice not in (None, "eager") and self.device.type == "cuda"  # StepGraphs

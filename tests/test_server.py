@@ -528,3 +528,7 @@ def test_serve_cli_options_reach_the_server(tmp_path, monkeypatch, capsys):
     assert engine.compile_choice == "eager" and engine.max_length == 48
     assert re.search(r"step compiled in [0-9.]+ s", capsys.readouterr().out)
     assert engine.storage.keys and engine.stats["forward_passes"] == 0  # warmed up, counters left at zero
+    assert hasattr(engine.model.model.layers[0].self_attn, "qkv_proj")  # fused by default, as vLLM serves
+    args = parser.parse_args(["--model", str(tmp_path / "model"), "--device", "cpu", "--no-fuse-projections"])
+    assert serve_command.run(args) == 0
+    assert hasattr(served[-1][0].state.server.engine.model.model.layers[0].self_attn, "q_proj")

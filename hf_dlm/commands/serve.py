@@ -10,6 +10,7 @@ open requests finish, new connections are refused.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from ..generation.compiled_step import COMPILE_CHOICES
@@ -26,6 +27,9 @@ def add_arguments(parser):
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="weights' dtype (auto: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--peft", default=None, help="a LoRA adapter folder to load on the model (merged)")
+    parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=True,
+                        help="serve with q / k / v and gate / up fused into one linear layer each, as vLLM serves "
+                        "Llama-style models (default: on; small decoding batches read the weights faster)")
     parser.add_argument("--max-batch-size", type=int, default=32, help="most sequences in one forward pass")
     parser.add_argument("--max-queue", type=int, default=256, help="most waiting sequences; beyond: 429")
     parser.add_argument("--compile", default=None, choices=("true", *COMPILE_CHOICES),
@@ -57,7 +61,7 @@ def run(args) -> int:
     from ..serving.app import ServerSettings, create_app, serve
     from ..serving.engine import ContinuousBatchingEngine
 
-    model, tokenizer = load_model(args.model, args.device, args.dtype, args.peft)
+    model, tokenizer = load_model(args.model, args.device, args.dtype, args.peft, args.fuse_projections)
     engine = ContinuousBatchingEngine(model, max_batch_size=args.max_batch_size, max_waiting=args.max_queue,
                                       eos_token_id=tokenizer.eos_token_id,
                                       compile=True if args.compile == "true" else args.compile,

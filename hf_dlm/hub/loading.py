@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 
-def load_model(path: str, device: str | None = None, dtype: str = "auto", peft: str | None = None):
+def load_model(path: str, device: str | None = None, dtype: str = "auto", peft: str | None = None,
+               fuse_projections: bool = False):
     """(model, tokenizer) from a checkpoint folder or Hub id, in eval mode on `device` (default: cuda if
     available, else cpu). dtype: "auto" (bfloat16 on cuda, float32 on cpu), "float32", "bfloat16" or
-    "float16". peft: a LoRA adapter folder, merged into the weights."""
+    "float16". peft: a LoRA adapter folder, merged into the weights. fuse_projections: q / k / v and gate / up
+    as one layer each (`model.fuse_projections()`, faster small-batch decoding; a model without the method is
+    left as it is)."""
     import torch
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
@@ -25,6 +28,8 @@ def load_model(path: str, device: str | None = None, dtype: str = "auto", peft: 
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, peft).merge_and_unload()
+    if fuse_projections and hasattr(model, "fuse_projections"):
+        model.fuse_projections()
     return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
 
 

@@ -6,7 +6,8 @@ refresh (the whole canvas), at each batch size, in several forms:
 - eager: `static_forward` as the eager sampler runs it without a graph (wall time per call, synced);
 - kernels: a profile of one eager window forward: kernel count and GPU time by kind (GEMM, attention, other);
 - graph: the eager forward captured as one CUDA graph (`CapturedStep`, what the eager sampler replays);
-- compiled graph: `static_forward` through Inductor (`--compile-mode`, no Inductor CUDA graphs) and then
+- compiled graph: `static_forward` through Inductor as generate compiles it (`CompiledStaticForward`: one
+  graph shared by the decoder layers; `--compile-mode`, no Inductor CUDA graphs) and then
   captured as one CUDA graph the same way (CUDA events around the replay);
 - sampling: the sampler's per-step arithmetic after the forward (greedy, low-confidence remasking);
 - roofline: the weight-read bound at 4.8 TB/s and the matmul-FLOP bound at 800 TFLOP/s for the step.
@@ -168,7 +169,7 @@ def main():
     p.add_argument("--budget-seconds", type=float, default=420.0)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    from hf_dlm.generation.compiled_step import static_forward
+    from hf_dlm.generation.compiled_step import CompiledStaticForward, static_forward
 
     device = "cpu" if a.tiny else "cuda"
     t_start = time.perf_counter()
@@ -205,7 +206,7 @@ def main():
             record(batch=batch, form="graph window + sampling", ms=Graph(lambda: (win(), samp())).replay_ms())
             del graph
     for mode in filter(None, a.compile_modes.split(",")):
-        compiled = torch.compile(static_forward, dynamic=False, mode=mode)
+        compiled = CompiledStaticForward(mode=mode)  # generate(compile=...)'s form: one graph per decoder layer
         for batch, (canvas, window, refresh) in inputs.items():
             if time.perf_counter() - t_start > a.budget_seconds:
                 record(batch=batch, form=f"compiled ({mode})", skipped="time budget")

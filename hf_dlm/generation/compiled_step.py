@@ -6,8 +6,10 @@ captures each static shape of the compiled forward as one CUDA graph (`StepGraph
 block start and the window step), so a step costs one launch. `compile=True` on CUDA is that pairing
 (Inductor's "default" mode plus hf-dlm's graphs); Inductor's own graphs (`"reduce-overhead"`) and
 Dynamo's `"cudagraphs"` backend (no Inductor) are slower here (LLaDA-8B shape, one H200, batch 1: 148
-against 130 and 51 tokens/s, benchmarks/RESULTS.md). Capture needs the same shapes every step and no
-host syncs or data-dependent Python inside the graph, so the compiled sampler differs from the eager one
+against 130 and 51 tokens/s, benchmarks/RESULTS.md). The decoder layers go through one compiled graph per
+shape (`CompiledStaticForward`, regional compilation: compiling does not grow with the depth). Capture needs
+the same shapes every step and no host syncs or data-dependent Python inside the graph, so the compiled
+sampler differs from the eager one
 in how it calls the model only:
 
 - the batch stays whole (finished rows still go through the forward; their commits are masked),

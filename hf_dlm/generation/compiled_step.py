@@ -9,8 +9,7 @@ Dynamo's `"cudagraphs"` backend (no Inductor) are slower here (LLaDA-8B shape, o
 against 130 and 51 tokens/s, benchmarks/RESULTS.md). The decoder layers go through one compiled graph per
 shape (`CompiledStaticForward`, regional compilation: compiling does not grow with the depth). Capture needs
 the same shapes every step and no host syncs or data-dependent Python inside the graph, so the compiled
-sampler differs from the eager one
-in how it calls the model only:
+sampler differs from the eager one in how it calls the model only:
 
 - the batch stays whole (finished rows still go through the forward; their commits are masked),
 - without a cache the query is the whole canvas; with the dual cache it is the block (keys: the whole

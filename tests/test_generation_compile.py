@@ -171,3 +171,26 @@ def test_compiled_generate_traces_one_layer_whatever_the_depth():
         assert torch.equal(compiled, model.generate(input_ids, attention_mask=attention_mask, **options))
         traced.append((counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]))
     assert traced[0] == traced[1] and traced[0][0] == 2, traced  # the refresh and the window step
+
+
+def test_the_compiled_steps_build_their_mask_without_reading_the_data(monkeypatch):
+    # the mask is built outside the compiled layers, inside the step a CUDA graph captures: a shortcut that reads
+    # the data (an all-real padding mask dropped for the mask-free kernel) is a host sync, which fails a capture
+    from hf_dlm.modeling import masks, modeling_dlm
+
+    padding = torch.ones(2, 6, dtype=torch.long)
+    args = ("sdpa", "bidirectional", None, 2, 3, 6, torch.device("cpu"), torch.float32)
+    assert masks.build_attention_mask(*args, attention_mask=padding) is None  # the eager shortcut
+    mask = masks.build_attention_mask(*args, attention_mask=padding, capturable=True)
+    assert mask.shape == (2, 1, 3, 6) and bool(mask.all())
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("capturable", False))
+        return masks.build_attention_mask(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_dlm, "build_attention_mask", recording)
+    _, input_ids, attention_mask = left_padded([5, 9])
+    tiny_model("sdpa").generate(input_ids, attention_mask=attention_mask, compile="eager", max_new_tokens=8,
+                                block_length=4, steps=8, cache="dual")
+    assert seen and all(seen), seen

@@ -170,6 +170,7 @@ def build_attention_mask(
     packed: bool = False,
     two_stream: bool = False,
     structured_kernel: bool = False,
+    capturable: bool = False,
 ):
     """The mask in the form `implementation` expects, or None where the kernel needs none.
 
@@ -182,13 +183,16 @@ def build_attention_mask(
     structured_kernel: a mask with structure (padding, documents, blocks) takes the kernel
         `document_attention_implementation` picks (FlexAttention for SDPA on CUDA): training and scoring
         forwards; the samplers' small query windows keep the dense mask.
+    capturable: no shortcut that reads the data (a host sync), as under torch.compile: the caller's step may be
+        captured as a CUDA graph (the samplers' compiled steps build their mask outside the compiled layers).
     """
     if attention_mask is not None and (attention_mask.dim() == 4 or type(attention_mask).__name__ == "BlockMask"):
         return attention_mask
     stream_length = key_length // 2 if two_stream else None
-    if attention_mask is not None and not _is_compiling() and bool(attention_mask.all()):
+    static = capturable or _is_compiling()
+    if attention_mask is not None and not static and bool(attention_mask.all()):
         attention_mask = None  # no padding: keep the mask-free fast path
-    if packed and position_ids is not None and not _is_compiling() and not bool((position_ids[:, 1:] == 0).any()):
+    if packed and position_ids is not None and not static and not bool((position_ids[:, 1:] == 0).any()):
         packed = False
     query_offset = key_length - query_length
 
@@ -209,7 +213,7 @@ def build_attention_mask(
         implementation = document_attention_implementation(implementation, torch.device(device))
     # a layout that does not depend on the data (no padding, no documents): its BlockMask is reused
     cache_key = None
-    if implementation == "flex_attention" and attention_mask is None and not packed and not _is_compiling():
+    if implementation == "flex_attention" and attention_mask is None and not packed and not static:
         cache_key = (mode, block_size, batch_size, query_length, key_length, two_stream, str(device))
         if position_ids is not None:  # positions given but not packed: the plain 0..L-1 layout only
             cache_key = cache_key if bool((position_ids == torch.arange(position_ids.shape[1], device=device)).all()) else None

@@ -422,7 +422,8 @@ class DLMModel(DLMPreTrainedModel):
         `update(layer_idx, key, value)` returns all keys). Queries sit at the end of the keys, or, for
         bidirectional dual caching, anywhere: only the padded-query self-clause reads the offset.
         run_layer(index, layer, hidden_states, mask, position_embeddings) -> hidden_states, if given, runs each
-        decoder layer (the serving engine's compiled layer step, with its own cache per layer).
+        decoder layer (the samplers' compiled layer step, with its own cache per layer); the mask is then built
+        without host syncs (the step around the compiled layers is captured as a CUDA graph).
         -> final-normed hidden states (b, Q, H)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -430,7 +431,7 @@ class DLMModel(DLMPreTrainedModel):
         mask = build_attention_mask(
             self.config._attn_implementation or "eager", self.config.attention_mode, self.config.block_size,
             batch_size, query_len, key_position_ids.shape[1], inputs_embeds.device, inputs_embeds.dtype,
-            attention_mask=key_padding, position_ids=key_position_ids,
+            attention_mask=key_padding, position_ids=key_position_ids, capturable=run_layer is not None,
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)

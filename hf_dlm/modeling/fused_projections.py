@@ -48,7 +48,7 @@ def _replace(module: nn.Module, old: tuple[str, ...], new: dict[str, nn.Module])
     """`module`'s children `old` replaced by `new`, at the place of the first of them (the module order, hence the
     state-dict order, stays that of the unfused model)."""
     children = list(module._modules.items())
-    at = [name for name, _ in children].index(old[0])
+    at = next(i for i, (name, _) in enumerate(children) if name in old)  # no `old` child comes before it
     kept = [(name, child) for name, child in children if name not in old]
     module._modules.clear()
     module._modules.update(kept[:at] + list(new.items()) + kept[at:])

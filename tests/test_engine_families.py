@@ -17,11 +17,12 @@ from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
 from tests.utils import FAMILY_NAMES, counting, tiny_family, tiny_model
 
 
-def serve_and_compare(model, options: dict, rows: int = 6, max_batch_size: int = 4, idle_steps: bool = False):
+def serve_and_compare(model, options: dict, rows: int = 6, max_batch_size: int = 4, idle_steps: bool = False,
+                      compile=None):
     """Requests arriving two per step (4 run at once, the rest wait) -> (forwards per busy step, engine stats);
     asserts each request's tokens equal generate alone (seeded). `idle_steps`: a step where every row's budget
     is 0 (Dream's schedule floors early steps' counts to 0) passes without a forward, as in generate."""
-    engine = ContinuousBatchingEngine(model, max_batch_size=max_batch_size)
+    engine = ContinuousBatchingEngine(model, max_batch_size=max_batch_size, compile=compile)
     generator = torch.Generator().manual_seed(0)
     cases = []
     for seed in range(rows):
@@ -90,6 +91,18 @@ def test_engine_serves_the_native_dlm_attention_modes_and_routers_as_generate_al
                 param.normal_(0, 0.3)
     serve_and_compare(model, dict(max_new_tokens=8, block_length=4, steps=8, temperature=0.5, cache=cache,
                                   stop_on_eos=False))
+
+
+def test_the_compiled_engine_routes_expert_choice_within_each_row():
+    # the compiled layer step takes the rows' token groups from outside (computed once a step), so expert choice
+    # still picks within each row, as generate alone does; the tokens say so
+    model = tiny_model("eager", **NATIVE["expert_choice_sequence"])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0, 0.3)
+    serve_and_compare(model, dict(max_new_tokens=8, block_length=4, steps=8, temperature=0.5, cache="dual",
+                                  stop_on_eos=False), compile="eager")
 
 
 @pytest.mark.parametrize("pre_softmax", [False, True])

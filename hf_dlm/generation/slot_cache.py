@@ -146,11 +146,12 @@ class RaggedKV:
 
     attends = True
 
-    def __init__(self, keys: list, values: list, token_lane, token_slot, token_row, token_qpos, q_index, mask, lanes):
+    def __init__(self, keys: list, values: list, token_lane, token_slot, token_row, token_qpos, q_index, mask, lanes,
+                 groups=None):
         self.keys, self.values = keys, values
         self.token_lane, self.token_slot, self.token_row, self.token_qpos = token_lane, token_slot, token_row, token_qpos
         self.q_index, self.mask, self.lanes = q_index, mask, lanes
-        self._groups = None
+        self._groups = groups
 
     @property
     def token_groups(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,8 +228,8 @@ class _LayerKV(RaggedKV):
 
 
 def _ragged_layer(layer, hidden_states, position_embeddings, mask, keys, values, token_lane, token_slot, token_row,
-                  token_qpos, q_index, lanes):
-    cache = _LayerKV(keys, values, token_lane, token_slot, token_row, token_qpos, q_index, mask, lanes)
+                  token_qpos, q_index, lanes, groups):
+    cache = _LayerKV(keys, values, token_lane, token_slot, token_row, token_qpos, q_index, mask, lanes, groups)
     return layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings, kv_cache=cache)
 
 
@@ -244,8 +245,14 @@ class CompiledRaggedForward:
         self.layer_step = torch.compile(_ragged_layer, dynamic=True, **compile_options)
 
     def __call__(self, model, input_ids, head_index, positions, mask, keys, values, **index):
+        # MoE layers route within each row (`token_groups`): computed once here and passed in, not built inside the
+        # compiled layer (where a graph break made Dynamo guard on the tensors' values: a recompile a step on CPU)
+        groups = RaggedKV(keys, values, mask=mask, **index).token_groups if getattr(
+            model.config, "num_experts", 0) else None
+
         def run_layer(i, layer, hidden_states, attention_mask, position_embeddings):
-            return self.layer_step(layer, hidden_states, position_embeddings, mask, keys[i], values[i], **index)
+            return self.layer_step(layer, hidden_states, position_embeddings, mask, keys[i], values[i], **index,
+                                   groups=groups)
 
         hidden_states = model.model.forward_window(input_ids, None, positions, mask, positions, None,
                                                    run_layer=run_layer)[0]

@@ -269,4 +269,5 @@ def first_ragged_forward(model, storage: SlotStorage, input_ids, head_index, pos
     return model.lm_head(hidden_states[head_index])
 
 
-__all__ = ["CompiledRaggedForward", "RaggedKV", "RaggedStep", "SlotStorage", "bucket", "first_ragged_forward", "ragged_forward"]
+__all__ = ["CompiledRaggedForward", "RaggedKV", "RaggedStep", "SlotStorage", "bucket", "first_ragged_forward",
+           "ragged_forward"]

@@ -3,7 +3,7 @@
 
 The step compiles with dynamic sizes (one graph for every batch and phase); the compiler's symbolic work grows
 with the layers, not with the width, so a narrow model of the real depth shows it on a CPU (Qwen3-1.7B's 28
-layers at hidden 64 by default). Prints one JSON line per depth.
+layers at hidden 64 by default). Prints one JSON line per depth and `--graph` form.
 
     python benchmarks/engine_compile_time.py --layers 28            # Inductor (compile=True), CPU
     python benchmarks/engine_compile_time.py --tiny                 # 2 layers, Dynamo tracing only (seconds)

@@ -1,9 +1,9 @@
 """Seconds the serving engine's compiled step takes to compile (`ContinuousBatchingEngine.warmup()`, what
 `hf-dlm serve --compile` does before it listens), against the model's depth.
 
-The step compiles with dynamic sizes (one graph for every batch and phase); the compiler's symbolic work grows
-with the layers, not with the width, so a narrow model of the real depth shows it on a CPU (Qwen3-1.7B's 28
-layers at hidden 64 by default). Prints one JSON line per depth and `--graph` form.
+The step compiles with dynamic sizes (one graph for every batch and phase); compiled as a whole forward, the
+compiler's symbolic work grows with the layers, not with the width, so a narrow model of the real depth shows it
+on a CPU (Qwen3-1.7B's 28 layers at hidden 64 by default). Prints one JSON line per depth and `--graph` form.
 
     python benchmarks/engine_compile_time.py --layers 28            # Inductor (compile=True), CPU
     python benchmarks/engine_compile_time.py --tiny                 # 2 layers, Dynamo tracing only (seconds)

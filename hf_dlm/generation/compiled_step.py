@@ -241,5 +241,4 @@ class StepGraphs:
 
 
 __all__ = ["COMPILE_CHOICES", "MAX_COMPILED_GRAPHS", "CapturedStep", "CompiledStaticForward", "StepGraphs",
-           "compiled_forward",
-           "resolve_compile", "static_forward"]
+           "compiled_forward", "resolve_compile", "static_forward"]

@@ -29,16 +29,22 @@ def _is_plain_linear(module) -> bool:
             and (module.bias is None or type(module.bias.data) is torch.Tensor))
 
 
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, requires_grad: bool) -> nn.Linear:
+    """An nn.Linear holding these tensors (no other allocation: made on the meta device, its parameters replaced)."""
+    with torch.device("meta"):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    linear.weight = nn.Parameter(weight, requires_grad=requires_grad)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=requires_grad)
+    return linear
+
+
 def _concatenated(linears: list[nn.Linear]) -> nn.Linear:
     weight = torch.cat([linear.weight.detach() for linear in linears])
     has_bias = [linear.bias is not None for linear in linears]
-    with torch.device("meta"):  # no second allocation: the parameters are replaced below
-        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=any(has_bias))
-    fused.weight = nn.Parameter(weight, requires_grad=linears[0].weight.requires_grad)
-    if any(has_bias):
-        fused.bias = nn.Parameter(torch.cat([
-            linear.bias.detach() if linear.bias is not None else weight.new_zeros(linear.out_features)
-            for linear in linears]), requires_grad=linears[0].weight.requires_grad)
+    bias = torch.cat([linear.bias.detach() if linear.bias is not None else weight.new_zeros(linear.out_features)
+                      for linear in linears]) if any(has_bias) else None
+    fused = _linear(weight, bias, linears[0].weight.requires_grad)
     fused.split_sizes = tuple(linear.out_features for linear in linears)
     fused.split_has_bias = tuple(has_bias)
     return fused
@@ -91,13 +97,8 @@ def unfuse_projections(model: nn.Module) -> nn.Module:
                              f"({type(fused.weight.data).__name__} weight): a quantised model cannot be unfused")
         weights = fused.weight.detach().split(fused.split_sizes)
         biases = fused.bias.detach().split(fused.split_sizes) if fused.bias is not None else [None] * len(parts)
-        linears = {}
-        for part, weight, bias, has_bias in zip(parts, weights, biases, fused.split_has_bias):
-            with torch.device("meta"):
-                linears[part] = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias)
-            linears[part].weight = nn.Parameter(weight.clone(), requires_grad=fused.weight.requires_grad)
-            if has_bias:
-                linears[part].bias = nn.Parameter(bias.clone(), requires_grad=fused.weight.requires_grad)
+        linears = {part: _linear(weight.clone(), bias.clone() if has_bias else None, fused.weight.requires_grad)
+                   for part, weight, bias, has_bias in zip(parts, weights, biases, fused.split_has_bias)}
         _replace(module, (fused_name,), linears)
     return model
 

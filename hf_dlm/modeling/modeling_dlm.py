@@ -438,10 +438,9 @@ class DLMModel(DLMPreTrainedModel):
         for index, layer in enumerate(self.layers):
             if run_layer is not None:
                 hidden_states = run_layer(index, layer, hidden_states, mask, position_embeddings)
-                continue
-            hidden_states = layer(
-                hidden_states, attention_mask=mask, position_embeddings=position_embeddings, kv_cache=kv_cache, **kwargs
-            )
+            else:
+                hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings,
+                                      kv_cache=kv_cache, **kwargs)
         return self.norm(hidden_states)
 
 

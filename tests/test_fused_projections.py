@@ -15,6 +15,10 @@ DECODE = dict(max_new_tokens=8, block_length=4, steps=8, temperature=0.0, stop_o
 
 def test_fused_layers_are_the_concatenated_weights_and_unfusing_is_bit_exact():
     model = tiny_model(qkv_bias=True)
+    with torch.no_grad():  # biases start at zero: give them values a mix-up would show
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_()
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
     q, k, v = attention.q_proj, attention.k_proj, attention.v_proj

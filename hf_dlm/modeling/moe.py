@@ -213,6 +213,12 @@ class DLMExperts(nn.Module):
             offsets = counts.cumsum(0).to(torch.int32)
             gate, up = grouped_mm(tokens, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)  # (T, I) each
             return grouped_mm(self.act_fn(gate) * up, down.transpose(-2, -1), offs=offsets)  # (T, H)
+        return self._loop(tokens, counts, gate_up, down)
+
+    # eager under torch.compile: the loop reads the counts on the host (a graph break anyway), and tracing it
+    # would guard on each expert's row count (0, 1 and more specialise), recompiling as the routing changes
+    @torch.compiler.disable
+    def _loop(self, tokens, counts, gate_up, down):
         outputs = []
         for expert, rows in enumerate(tokens.split(counts.tolist())):
             gate, up = F.linear(rows, gate_up[expert]).chunk(2, dim=-1)

@@ -190,3 +190,32 @@ def test_a_compiled_moe_step_does_not_recompile_as_the_routing_changes():
             assert request.generated == model.generate(torch.tensor([ids]), **options)[0, len(ids):].tolist()
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[1] == graphs[2], graphs
+
+
+@pytest.mark.parametrize("threshold", [None, 0.5])
+def test_budget_steps_read_nothing_back_per_step(monkeypatch, threshold):
+    # a budget rule's block ends on its step count: the engine reads nothing back per step, only at a block end
+    # (the block's tokens), so the host queues the next step while the device runs one. A threshold row's block
+    # ends on its masks: one read per step. Tokens equal generate alone either way.
+    from tests.utils import count_host_reads
+
+    model = tiny_model("sdpa", eos_token_id=5)
+    counts = {}
+    for steps in (8, 16):
+        options = dict(max_new_tokens=16, block_length=8, steps=steps, cache="dual", stop_on_eos=False,
+                       threshold=threshold)
+        engine = ContinuousBatchingEngine(model, max_batch_size=2)
+        cases = [(ids, GenerationRequest(ids, engine.sampling_params(**options))) for ids in ([3, 4, 5], [6, 7, 8, 9])]
+        engine.submit([request for _, request in cases])
+        engine.step()  # the first step: storage, plan
+        reads = []
+        with monkeypatch.context() as patch:
+            count_host_reads(patch, reads)
+            engine.run_until_idle()
+        counts[steps] = (len(reads), engine.stats["engine_steps"])
+        for ids, request in cases:
+            assert request.generated == model.generate(torch.tensor([ids]), **options)[0, len(ids):].tolist()
+    if threshold is None:
+        assert counts[8][0] == counts[16][0] and counts[8][1] < counts[16][1], counts
+    else:  # threshold 0.5 on a random model: about one token a step, a read each
+        assert counts[16][0] >= counts[16][1] - 1, counts

@@ -8,7 +8,7 @@ from hf_dlm.generation import compiled_step as generation_compile
 from hf_dlm.generation.configuration import DLMGenerationConfig
 
 from tests.utils import emulate_step_graphs, tiny_model
-from tests.utils import left_padded
+from tests.utils import count_host_reads, left_padded
 
 GEN = dict(max_new_tokens=16, block_length=8, steps=16, temperature=0.0)
 
@@ -194,3 +194,22 @@ def test_the_compiled_steps_build_their_mask_without_reading_the_data(monkeypatc
     tiny_model("sdpa").generate(input_ids, attention_mask=attention_mask, compile="eager", max_new_tokens=8,
                                 block_length=4, steps=8, cache="dual")
     assert seen and all(seen), seen
+
+
+def test_compiled_budget_steps_read_nothing_back_per_step(monkeypatch):
+    # under a budget rule the steps with work are known at the block start: a read per step (a host sync on a
+    # GPU) would stop the host from queueing the next steps while the device runs one. The host reads of a
+    # generate do not grow with its steps per block; the tokens equal the eager sampler's.
+    model = tiny_model("sdpa", eos_token_id=5)
+    _, input_ids, attention_mask = left_padded([5, 9])
+    counts = {}
+    for steps in (8, 16):
+        options = dict(max_new_tokens=16, block_length=8, steps=steps, cache="dual", temperature=0.0)
+        model.generate(input_ids, attention_mask=attention_mask, compile="eager", **options)  # compiles
+        reads = []
+        with monkeypatch.context() as patch:
+            count_host_reads(patch, reads)
+            compiled = model.generate(input_ids, attention_mask=attention_mask, compile="eager", **options)
+        counts[steps] = len(reads)
+        assert torch.equal(compiled, model.generate(input_ids, attention_mask=attention_mask, **options))
+    assert counts[8] == counts[16], counts

@@ -542,3 +542,15 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, check:
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
+
+
+def count_host_reads(monkeypatch, reads: list):
+    """Appends to `reads` each tensor read back to Python (bool, int, item, tolist): a host sync on a GPU."""
+    for name in ("__bool__", "__int__", "item", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)

@@ -79,10 +79,13 @@ class RowSchedule:
             return 0, self.length
         return start - self.shift, end if self.cache == "dual" else self.length
 
-    def after_step(self, has_masks: bool, began_with_masks: bool, edited: bool):
+    def after_step(self, has_masks: bool | None = None, began_with_masks: bool = True, edited: bool = False):
+        """The step's outcome, read from the device; a budget rule's block ends on its step count and needs
+        none (`has_masks` None)."""
         self.step += 1
         self.forwards += 1
-        self.has_masks = has_masks
+        if has_masks is not None:
+            self.has_masks = has_masks
         if self.editing and not began_with_masks:  # LLaDA2.1: a mask-free step without edits ends the block
             self.post_steps += 1
             self.settled = not edited or self.post_steps >= self.max_post_steps

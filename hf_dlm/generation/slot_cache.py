@@ -117,7 +117,8 @@ class RaggedStep:
             parts["head_index"] = first.unsqueeze(1) + torch.minimum(columns.unsqueeze(0), count.unsqueeze(1) - 1)
         for name, values in (extra or {}).items():
             parts[name] = torch.tensor(list(values) + [values[0]] * filler)
-        flat = torch.cat([t.flatten() for t in parts.values()]).to(storage.device)  # the step's one upload
+        # the step's one upload; non-blocking: a blocking copy to a GPU waits for the work queued before it
+        flat = torch.cat([t.flatten() for t in parts.values()]).to(storage.device, non_blocking=True)
         tensors, at = {}, 0
         for name, t in parts.items():
             tensors[name] = flat[at : at + t.numel()].view(t.shape)

@@ -337,7 +337,7 @@ class ContinuousBatchingEngine:
                 length = row.schedule.length
                 self.storage.reserve(max(row.lanes) + 1, length)
                 canvas = request.prompt_ids + [self.mask_id] * (length - row.prompt_len)
-                self.storage.canvas[lane, :length] = torch.tensor(canvas, device=self.device)
+                self.storage.canvas[lane, :length] = torch.tensor(canvas).to(self.device, non_blocking=True)
 
     # ---- one scheduler iteration ---------------------------------------------------------------
     @torch.inference_mode()  # always: a compiled step guards on the grad mode (another mode recompiles the model)
@@ -484,6 +484,12 @@ class ContinuousBatchingEngine:
                     self._finish(row, "error", error)
         if not results:
             return
+        if not any(rows[i].schedule.parallel or rows[i].schedule.editing for i in order):
+            # budget rules end a block after its steps: nothing to read back, so the host plans and queues the
+            # next step while the device runs this one (a read here waits for the device every step)
+            for i in order:
+                rows[i].schedule.after_step()
+            return
         flags = torch.cat(results).tolist()  # the step's one host sync
         for i, (has_masks, began_with_masks, edited) in zip(order, flags):
             rows[i].schedule.after_step(has_masks, began_with_masks, edited)
@@ -496,7 +502,7 @@ class ContinuousBatchingEngine:
         budgets = [row.schedule.step_budget or 0 for row in group]
         starts, lengths, lanes, budget, offsets = torch.tensor(  # one upload
             [[row.schedule.window[0] for row in group], [row.schedule.width for row in group],
-             [row.lane for row in group], budgets, [row.schedule.offset for row in group]]).to(self.device)
+             [row.lane for row in group], budgets, [row.schedule.offset for row in group]]).to(self.device, non_blocking=True)
         valid = columns.unsqueeze(0) < lengths.unsqueeze(1)  # (g, W): a shorter block's columns beyond it
         cols = torch.where(valid, starts.unsqueeze(1) + columns, self.storage.trash)
         lanes = lanes.unsqueeze(1)

@@ -12,6 +12,11 @@ forward, 2.5x that for the backward), so kernels that visit cross-document pairs
 
 Dense bidirectional attention (FA4 beside cuDNN), head dim 128: (4, 16 heads, 4096) and (1, 16 heads, 32768).
 
+Decoding (`--parts decode`, forward only): the serving engine's packed-step attention at LLaDA-8B's heads (32 x 128),
+rows x queries against 320 keys: 16 rows of a 32-token block, and a mixed step (one row refreshing its 320-token
+canvas pads 31 block rows to 320 queries). The step's mask as a boolean mask (converted inside each call), as an
+additive bias in the model's dtype (built once per step), and no mask (the floor), eager and Inductor-compiled.
+
     python benchmarks/attention_kernels.py --out results/
     python benchmarks/attention_kernels.py --tiny    # CPU smoke run: the model check and the dense-mask kernel
 """
@@ -233,6 +238,40 @@ def dense_suite(a, results):
     results["dense"] = rows
 
 
+def decode_suite(a, results):
+    """The engine's attention per layer call (`RaggedKV.attention`'s SDPA): mask kinds, eager and compiled."""
+    heads, dim = (32, 128) if DEVICE == "cuda" else (2, 16)
+    cases = [("16 rows x 32 queries", 16, 32, [32] * 16), ("mixed: 32 rows x 320 queries", 32, 320, [320] + [32] * 31)]
+    if DEVICE != "cuda":
+        cases = [("4 rows x 8 queries", 4, 8, [8] * 4), ("mixed: 4 rows x 40 queries", 4, 40, [40, 8, 8, 8])]
+    keys = cases[1][2]
+    rows = []
+    for name, b, width, lengths in cases:
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        q = torch.randn(b, heads, width, dim, device=DEVICE, dtype=DTYPE, generator=g)
+        k, v = (torch.randn(b, heads, keys, dim, device=DEVICE, dtype=DTYPE, generator=g) for _ in range(2))
+        # each row sees its canvas' keys (all of them here); query columns past a row's length are padding
+        allowed = torch.ones(b, 1, width, keys, dtype=torch.bool, device=DEVICE)
+        allowed[1::2, :, :, keys - 7:] = False  # half the rows see fewer keys
+        bias = torch.zeros(allowed.shape, dtype=DTYPE, device=DEVICE).masked_fill(~allowed, torch.finfo(DTYPE).min)
+        masks = {"bool mask": allowed, "additive bias": bias, "no mask": None}
+
+        def attend(q, k, v, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        compiled = torch.compile(attend, dynamic=False) if DEVICE == "cuda" else attend
+        reference = attend(q.float(), k.float(), v.float(), allowed)
+        for mask_name, mask in masks.items():
+            for mode, fn in (("eager", attend), ("compiled", compiled)):
+                out = fn(q, k, v, mask)
+                row = dict(case=name, mask=mask_name, mode=mode,
+                           rel_err=None if mask is None else rel(out.float(), reference),
+                           ms=bench(lambda: fn(q, k, v, mask), iters=50 if DEVICE == "cuda" else 5))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    results["decode"] = rows
+
+
 def model_check(results):
     """A small DLM on the GPU in float32: SDPA with packed documents (-> FlexAttention) and the two-stream
     block-diffusion input against the eager reference, logits and gradients."""
@@ -271,7 +310,7 @@ def main():
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--doc-mean", type=int, default=650)
-    p.add_argument("--parts", default="model,packed,dense", help="comma-separated: model, packed, dense")
+    p.add_argument("--parts", default="model,packed,dense", help="comma-separated: model, packed, dense, decode")
     p.add_argument("--kernels", default="", help="packed part: only variants whose name holds one of these")
     p.add_argument("--out", default=None)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: small shapes, float32, model check + dense mask")
@@ -279,9 +318,9 @@ def main():
     global DEVICE, DTYPE
     if a.tiny:
         DEVICE, DTYPE = "cpu", torch.float32
-        a.batch, a.heads, a.kv_heads, a.seq, a.doc_mean, a.parts, a.kernels = 1, 2, 1, 64, 20, "model,packed", "dense"
+        a.batch, a.heads, a.kv_heads, a.seq, a.doc_mean, a.parts, a.kernels = 1, 2, 1, 64, 20, "model,packed,decode", "dense"
     results = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu")
-    for part, fn in (("model", model_check), ("packed", packed_suite), ("dense", dense_suite)):
+    for part, fn in (("model", model_check), ("packed", packed_suite), ("dense", dense_suite), ("decode", decode_suite)):
         if part in a.parts.split(","):
             try:
                 fn(a, results) if part != "model" else fn(results)
@@ -297,6 +336,10 @@ def main():
         errs = [v for k, v in row.items() if k.startswith("rel_vs")]
         print(f"| {row['kernel']} | dense {row['batch']}x{row['seq']} | {row.get('ms', math.nan):.2f} | "
               f"{row.get('tflops', math.nan):.0f} | {max(errs) if errs else row.get('error')} |")
+    if results.get("decode"):
+        print("\n| decoding step | mask | mode | ms per call | rel. error vs fp32 |\n|---|---|---|---|---|")
+        for row in results["decode"]:
+            print(f"| {row['case']} | {row['mask']} | {row['mode']} | {row['ms']:.4f} | {row['rel_err']} |")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "attention_kernels.json"), "w") as f:
@@ -305,6 +348,7 @@ def main():
         assert not [k for k in results if k.endswith("_error")], results
         assert results["packed"]["rows"] and all(row.get("ok") for row in results["packed"]["rows"]), results
         assert all(c["rel_logits"] < 1e-4 for c in results["model_check"].values()), results["model_check"]
+        assert all(row["rel_err"] is None or row["rel_err"] < 1e-5 for row in results["decode"]), results["decode"]
 
 
 if __name__ == "__main__":

@@ -90,7 +90,8 @@ class WorkCounter:
         self.totals["tokens"] += slots.numel()
         self.totals["real_tokens"] += int(real.sum())
         self.totals["pairs"] += mask.shape[0] * mask.shape[2] * mask.shape[3]
-        self.totals["real_pairs"] += int(mask[rows, 0, qpos].sum())
+        allowed = mask == 0 if mask.dtype.is_floating_point else mask  # an additive bias or a boolean mask
+        self.totals["real_pairs"] += int(allowed[rows, 0, qpos].sum())
         return self.call(graphs, forward, tensors, **fixed)
 
 

@@ -326,6 +326,14 @@ def test_step_shapes_counts_the_attention_padding_of_a_step_mixing_a_refresh_and
     counter(None, None, step.tensors, keys=keys)
     assert counter.totals["tokens"] - 10 == 18 and counter.totals["real_tokens"] - 10 == 17
     assert counter.totals["pairs"] - 128 == 3 * 8 * 8 and counter.totals["real_pairs"] - 80 == 64 + 16 + 56
+    # the engine's form: an additive bias (0 where a query sees a key, the dtype's lowest elsewhere), counted alike
+    bias = RaggedStep(storage, [0, 1, 0], [0, 6, 0], [8, 2, 7], [8, 8, 8], buckets=True, mask_dtype=torch.bfloat16)
+    lowest = torch.finfo(torch.bfloat16).min
+    assert torch.equal(bias.tensors["mask"], torch.where(step.tensors["mask"], 0.0, lowest).to(torch.bfloat16))
+    before = dict(counter.totals)
+    counter(None, None, bias.tensors, keys=keys)
+    assert {name: counter.totals[name] - before[name] for name in before} == {
+        "tokens": 18, "real_tokens": 17, "pairs": 3 * 8 * 8, "real_pairs": 64 + 16 + 56}
 
 
 def test_float8_decoding_takes_the_decoder_projections_and_refuses_without_a_float8_gpu():

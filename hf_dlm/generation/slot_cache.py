@@ -80,10 +80,13 @@ class RaggedStep:
 
     def __init__(self, storage: SlotStorage, lanes: list[int], starts: list[int], lengths: list[int],
                  key_lengths: list[int], mode: str = "bidirectional", block_size: int | None = None,
-                 buckets: bool = False, heads: list[tuple[int, int]] | None = None, extra: dict | None = None):
+                 buckets: bool = False, heads: list[tuple[int, int]] | None = None, extra: dict | None = None,
+                 mask_dtype: torch.dtype | None = None):
         """heads: per row (first canvas slot, count) whose hidden states go through the LM head ->
         tensors["head_index"] (rows, max count), later columns repeating the last; extra: per-row integer lists
-        sent to the device with the rest (one host-to-device copy per step)."""
+        sent to the device with the rest (one host-to-device copy per step). mask_dtype: the mask as an additive
+        bias of this dtype (0 / the dtype's lowest), built once per step; else boolean, which SDPA converts in
+        every layer (on the H100 ~9% of a batch-16 LLaDA-8B step, benchmarks/RESULTS.md)."""
         b, total, width = len(lanes), sum(lengths), max(lengths)
         # at least two rows: a size of 1 is a case of its own for the compiler (a recompile of the whole model);
         # a filler row has no tokens, only its attention row and LM-head columns
@@ -133,7 +136,11 @@ class RaggedStep:
             allowed = allowed & (key_slot <= query_position)
         elif mode == "block":
             allowed = allowed & (key_slot // block_size <= query_position // block_size)
-        tensors["mask"] = allowed.expand(rows, width, -1).unsqueeze(1)  # (rows, 1, Q, K)
+        allowed = allowed.expand(rows, width, -1).unsqueeze(1)  # (rows, 1, Q, K)
+        if mask_dtype is not None:
+            allowed = torch.zeros(allowed.shape, dtype=mask_dtype, device=storage.device).masked_fill(
+                ~allowed, torch.finfo(mask_dtype).min)
+        tensors["mask"] = allowed
         slots = tensors["token_slot"]
         tensors["positions"] = torch.where(slots == storage.trash, 0, slots).unsqueeze(0)  # (1, T) RoPE positions
         self.tensors = {name: tensors.pop(name) for name in list(tensors) if name not in (extra or {})}

@@ -205,6 +205,7 @@ class ContinuousBatchingEngine:
         self.eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.eos_tensor = torch.tensor(self.eos_ids, dtype=torch.long)
         self.mask_index = torch.tensor([self.mask_id], device=self.device)
+        self.mask_dtype = model.get_input_embeddings().weight.dtype  # the attention mask as an additive bias
         self.shift = int(getattr(model.config, "label_alignment", "same") == "shift")
         self.attention_mode = getattr(model.config, "attention_mode", "bidirectional")
         self.block_size = getattr(model.config, "block_size", None) if self.attention_mode == "block" else None
@@ -416,7 +417,7 @@ class ContinuousBatchingEngine:
         if key != self.plan_key:
             self.plan_key, self.plan = key, RaggedStep(
                 self.storage, lanes, [s for s, _ in spans], [e - s for s, e in spans], lengths, self.attention_mode,
-                self.block_size, buckets=compiled, heads=heads, extra=extra)
+                self.block_size, buckets=compiled, heads=heads, extra=extra, mask_dtype=self.mask_dtype)
         step = self.plan
         tensors = dict(step.tensors)  # input_ids join per step
         token_row = tensors["token_row"]

@@ -432,6 +432,9 @@ def drive(engine, requests, every: int = 0, on_step=None) -> None:
         step += 1
         if on_step is not None:
             on_step()
+    failed = next((r for r in requests if r.error is not None), None)
+    if failed is not None:  # the engine fails a request, not the server: a benchmark must not time failures
+        raise RuntimeError(f"a benchmark request failed in the engine: {failed.error!r}") from failed.error
 
 
 def core_benchmark(model, args, report):

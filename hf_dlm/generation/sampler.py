@@ -396,8 +396,7 @@ class DiffusionSampler:
                 query_lo, key_end = int(block_start.min()), min(total, int(block_end.max()))
             step = forwards = 0
             # compiled, budget rules: `done` and the budgets are fixed within a block, so which steps have work is
-            # read once here; a read per step would stop the host from queueing steps ahead of the device (at
-            # batch 1 the device idled ~1.2 ms of every ~6.4 ms step, H100 profile in benchmarks/RESULTS.md)
+            # read once here; a read per step makes the host wait for the device before it queues the next step
             busy_steps = None
             if self.compiled is not None and not parallel:
                 busy_steps = ((budget > 0) & ~done.unsqueeze(1)).any(0).tolist()  # the block's one host sync

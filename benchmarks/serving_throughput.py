@@ -6,6 +6,8 @@
    one token per step and threshold 0.9: all at once at each of `--batches` (16, 64), and `--arrivals` (64)
    requests arriving one per `--arrival-every` (8) engine steps. Reported: tokens/s, engine steps and forwards
    (one forward per step), engine / generate ratio, arrivals / all-at-once ratio; a table at the end.
+   `--engine-mask bias,bool`: the all-at-once engine runs with the engine's additive-bias mask and with a boolean
+   mask (an engine each), to compare the two on one machine.
    `--profile-steps N`: one more run of the largest batch and of the arrivals, N steps of each under
    torch.profiler: wall time per step (without and with the profiler) against the device's kernel time per step,
    and the operators / kernels by time (`profile_*.txt`).
@@ -59,6 +61,9 @@ def parse_args():
                    "float8 (row scales), float8-tensor (tensor scales); the share of equal tokens needs bf16")
     p.add_argument("--fuse-projections", default="no", help="the float8 part's runs, comma-separated: no (q / k / v "
                    "and gate / up separate), yes (fused: model.fuse_projections())")
+    p.add_argument("--engine-mask", default="bias", help="the core part's all-at-once engine runs, comma-separated: "
+                   "bias (the engine's attention mask, an additive bias built once per step), bool (a boolean mask, "
+                   "converted by SDPA in every layer: the form before 2026-12-07, for a same-machine comparison)")
     p.add_argument("--clients", default="16,64")
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--clients-in", default="process", help="comma-separated, where the HTTP clients run: process (a "
@@ -446,8 +451,17 @@ def core_benchmark(model, args, report):
     vocab, device = model.config.vocab_size, next(model.parameters()).device
     batches = [int(b) for b in args.batches.split(",")]
     compile_choice = compile_value(args)
-    engine = ContinuousBatchingEngine(model, max_batch_size=max(batches + [args.arrivals]), max_waiting=4096,
-                                      compile=compile_choice, max_length=canvas_length(args))
+    masks = args.engine_mask.split(",")
+    if set(masks) - {"bias", "bool"}:
+        raise SystemExit(f"--engine-mask: unknown {sorted(set(masks) - {'bias', 'bool'})} (choose from bias, bool)")
+    engines = {}
+    for mask in masks:  # an engine each: its plans and captured graphs hold the mask's dtype
+        engines[mask] = ContinuousBatchingEngine(model, max_batch_size=max(batches + [args.arrivals]),
+                                                 max_waiting=4096, compile=compile_choice,
+                                                 max_length=canvas_length(args))
+        if mask == "bool":
+            engines[mask].mask_dtype = None  # RaggedStep's boolean form
+    engine = engines[masks[0]]  # the arrivals and the profiles
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab - 3, (max(batches + [args.arrivals]), args.prompt_tokens), generator=generator)
     rules = {"one": ("one token per step", dict(steps=args.new_tokens)),
@@ -468,7 +482,7 @@ def core_benchmark(model, args, report):
 
         last_requests = []
 
-        def engine_run(count, every=0):
+        def engine_run(count, every=0, engine=engine):
             requests = make_requests(count, options)
             last_requests[:] = requests
             before = {name: engine.stats[name] for name in ("engine_steps", "forward_passes", "graph_captures")}
@@ -489,23 +503,25 @@ def core_benchmark(model, args, report):
                 out = model.generate(ids, compile=compile_choice, **options)
                 _sync()
                 generate_tps = batch * args.new_tokens / (time.perf_counter() - start)
-            log(f"{label}, batch {batch}: engine warm-up")
-            engine_run(batch)
-            log(f"{label}, batch {batch}: engine timed run")
-            engine_tps, steps, forwards, captures = engine_run(batch)
-            same = sum(a == b for r, row_out in zip(last_requests, out[:, args.prompt_tokens:].tolist())
-                       for a, b in zip(r.generated, row_out)) / (batch * args.new_tokens)
-            row = {"setting": label, "batch": batch, "arrival": "all at once", "generate_tok_s": round(generate_tps, 1),
-                   "engine_tok_s": round(engine_tps, 1), "ratio": round(engine_tps / generate_tps, 3),
-                   "engine_steps": steps, "forwards": forwards, "captures_in_timed_run": captures,
-                   "tokens_equal_to_generate": round(same, 4)}
-            report["core"].append(row)
-            print(json.dumps(row), flush=True)
-            dump(report, args)
+            for mask, variant in engines.items():
+                named = "" if len(engines) == 1 else f" ({mask} mask)"
+                log(f"{label}, batch {batch}: engine{named} warm-up")
+                engine_run(batch, engine=variant)
+                log(f"{label}, batch {batch}: engine{named} timed run")
+                engine_tps, steps, forwards, captures = engine_run(batch, engine=variant)
+                same = sum(a == b for r, row_out in zip(last_requests, out[:, args.prompt_tokens:].tolist())
+                           for a, b in zip(r.generated, row_out)) / (batch * args.new_tokens)
+                row = {"setting": label, "engine_mask": mask, "batch": batch, "arrival": "all at once",
+                       "generate_tok_s": round(generate_tps, 1), "engine_tok_s": round(engine_tps, 1),
+                       "ratio": round(engine_tps / generate_tps, 3), "engine_steps": steps, "forwards": forwards,
+                       "captures_in_timed_run": captures, "tokens_equal_to_generate": round(same, 4)}
+                report["core"].append(row)
+                print(json.dumps(row), flush=True)
+                dump(report, args)
         if not args.arrivals:
             continue
-        all_at_once = next((r["engine_tok_s"] for r in report["core"]
-                            if r["setting"] == label and r["batch"] == args.arrivals), None)
+        all_at_once = next((r["engine_tok_s"] for r in report["core"] if r["setting"] == label
+                            and r["engine_mask"] == masks[0] and r["batch"] == args.arrivals), None)
         # A shape is captured the second time it is seen, and this schedule has shapes that occur once per run:
         # runs repeat until one captures nothing (a server in its steady state), at most `ARRIVAL_RUNS`; each
         # run's figures are kept (the first run after the warm-up is what a server's second such burst sees).
@@ -516,7 +532,8 @@ def core_benchmark(model, args, report):
             log(f"{label}, arrivals: engine run {len(runs) + 1}")
             tps, steps, forwards, captures = engine_run(args.arrivals, args.arrival_every)
             runs.append({"engine_tok_s": round(tps, 1), "captures": captures})
-        row = {"setting": label, "batch": args.arrivals, "arrival": f"one per {args.arrival_every} steps",
+        row = {"setting": label, "engine_mask": masks[0], "batch": args.arrivals,
+               "arrival": f"one per {args.arrival_every} steps",
                "engine_tok_s": round(tps, 1), "engine_steps": steps, "forwards": forwards,
                "captures_in_timed_run": captures, "runs": runs,
                "ratio_to_all_at_once": None if all_at_once is None else round(tps / all_at_once, 3)}
@@ -678,6 +695,7 @@ def main():
         args.clients, args.max_tokens, args.block_length, args.steps = "1,4", 8, 4, 4
         args.clients_in, args.switch_intervals = "process,thread", "0.001"
         args.fuse_projections, args.profile_steps, args.profile_skip = "no,yes", 2, 1
+        args.engine_mask = "bias,bool"
         args.prompt_tokens, args.eval_docs, args.mc_num, args.eval_batch_size = 8, 10, 2, 8
         args.batches, args.new_tokens, args.arrivals, args.arrival_every = "2,4", 16, 4, 2
     if args.compile is None:
@@ -702,11 +720,11 @@ def main():
             runners[part](model, args, report)
         dump(report, args)
     if report["core"]:
-        print("| setting | batch | arrival | generate tok/s | engine tok/s | engine / generate | steps | forwards "
-              "| graph captures in the run | vs all at once | tokens = generate |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| setting | engine mask | batch | arrival | generate tok/s | engine tok/s | engine / generate | steps "
+              "| forwards | graph captures in the run | vs all at once | tokens = generate |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in report["core"]:
-            print(f"| {r['setting']} | {r['batch']} | {r['arrival']} | {r.get('generate_tok_s', '-')} | "
+            print(f"| {r['setting']} | {r['engine_mask']} | {r['batch']} | {r['arrival']} | {r.get('generate_tok_s', '-')} | "
                   f"{r['engine_tok_s']} | {r.get('ratio', '-')} | {r['engine_steps']} | {r['forwards']} | "
                   f"{r['captures_in_timed_run']} | {r.get('ratio_to_all_at_once', '-')} | "
                   f"{r.get('tokens_equal_to_generate', '-')} |")

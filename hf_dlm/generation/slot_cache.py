@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ..utils.masking import additive_mask
+
 
 def _grow(tensor: torch.Tensor | None, lanes: int, length: int, fill=0) -> torch.Tensor | None:
     """`tensor` (lanes', length' + 1, ...) enlarged to (lanes, length + 1, ...), contents kept, the trash slot last."""
@@ -137,10 +139,7 @@ class RaggedStep:
         elif mode == "block":
             allowed = allowed & (key_slot // block_size <= query_position // block_size)
         allowed = allowed.expand(rows, width, -1).unsqueeze(1)  # (rows, 1, Q, K)
-        if mask_dtype is not None:
-            allowed = torch.zeros(allowed.shape, dtype=mask_dtype, device=storage.device).masked_fill(
-                ~allowed, torch.finfo(mask_dtype).min)
-        tensors["mask"] = allowed
+        tensors["mask"] = allowed if mask_dtype is None else additive_mask(allowed, mask_dtype)
         slots = tensors["token_slot"]
         tensors["positions"] = torch.where(slots == storage.trash, 0, slots).unsqueeze(0)  # (1, T) RoPE positions
         self.tensors = {name: tensors.pop(name) for name in list(tensors) if name not in (extra or {})}

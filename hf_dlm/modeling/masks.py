@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from ..utils.masking import additive_mask
+
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 # FlexAttention's tile: a BlockMask lists, per (query tile, key tile), whether it is empty, full or partial
@@ -241,4 +243,4 @@ def build_attention_mask(
     mask = dense_mask(mask_mod, batch_size, query_length, key_length, device)
     if implementation != "eager":
         return mask  # sdpa and registered custom kernels take the boolean mask
-    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+    return additive_mask(mask, dtype)

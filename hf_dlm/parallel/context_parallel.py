@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..modeling.masks import block_ids, dense_mask, document_ids_from_position_ids, make_mask_mod
+from ..utils.masking import additive_mask
 
 CP_ATTENTION = "hf_dlm_context_parallel"
 CP_BACKENDS = ("all_gather", "ring")
@@ -74,8 +75,7 @@ def context_parallel_attention(module, query, key, value, attention_mask, scalin
     value = _AllGatherSequence.apply(value, cp["group"])
     base = cp["implementation"]
     if base == "eager" and attention_mask is not None:
-        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-            ~attention_mask, torch.finfo(query.dtype).min)
+        attention_mask = additive_mask(attention_mask, query.dtype)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(base, eager_attention_forward)
     with sdpa_backend_context(module.config.sdpa_backends, query.device) if base == "sdpa" else nullcontext():
         return attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

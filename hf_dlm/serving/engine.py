@@ -10,8 +10,9 @@ generator, and decodes exactly as `model.generate` would decode it alone. One `s
    `cfg_scale` its unconditional copy beside it; the spans are packed (`RaggedStep`), only each row's block
    goes through the LM head;
 3. commits with the core's rules (`generation.commit_rules.decide_step`), rows with equal settings together;
-4. at a row's block end (early departure: each row on its own schedule): streams the committed block
-   (`on_block`), applies `stop_on_eos` and the caller's stop check; a finished row frees its lanes.
+4. at a row's block end (early departure: each row on its own schedule): copies the block to the host without
+   waiting and moves the row on; the next step, its forward queued, streams the block (`on_block`), applies
+   `stop_on_eos` and the caller's stop check; a finished row frees its lanes.
 
 Why hand-written: a server needs rows that arrive and leave at different times with different settings,
 which no library offers for diffusion LMs.
@@ -226,6 +227,7 @@ class ContinuousBatchingEngine:
         self.compiled = None if self.compile_choice is None else CompiledRaggedForward(
             **COMPILE_CHOICES[self.compile_choice])
         self.graphs, self.graphs_storage = None, None
+        self.ended_blocks = None  # [[(row, host tokens, more blocks after it, last), ...], copy event]: read next step
         self.plan_key, self.plan = None, None  # the last step's RaggedStep: reused while no row changes its span
         self.captures = self.compile_choice not in (None, "eager") and self.device.type == "cuda"  # StepGraphs
         if preallocate if preallocate is not None else self.captures:
@@ -306,7 +308,7 @@ class ContinuousBatchingEngine:
         return len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ended_blocks)
 
     def _take_lane(self) -> int:
         if self.free_lanes:
@@ -364,12 +366,17 @@ class ContinuousBatchingEngine:
                     self._finish(row, "error", error)
             else:
                 self._commit(work, logits)
+        # the previous step's block ends are read now, with this step's forward queued: the read waits for that
+        # step's commit only, not for the device to drain (rows end blocks on staggered steps once requests arrive
+        # apart, so reading at once would stall the device almost every step)
+        self._read_block_ends()
         for row in list(self.running):
-            try:
-                while row in self.running and row.schedule.block_done():
-                    self._end_block(row)
-            except Exception as error:  # noqa: BLE001 (a raising callback fails its own row)
-                self._finish(row, "error", error)
+            while row in self.running and row.schedule.block_done():
+                self._end_block(row)
+        if self.ended_blocks is not None:
+            self.ended_blocks[1] = self._record_event()
+            if not self.running:  # no forward left to overlap with
+                self._read_block_ends()
 
     def run_until_idle(self):
         while self.has_work():
@@ -534,27 +541,61 @@ class ContinuousBatchingEngine:
         self.stats["max_forward_rows"] = max(self.stats["max_forward_rows"], rows)
 
     def _end_block(self, row: _Row):
-        request, params = row.request, row.params
+        """Copies the row's finished block to the host without waiting (read at the next step) and moves the row
+        on; a row past its last block leaves now (its tokens are copied, its lanes free)."""
         row.credit = None  # dInfer's credit is per block
         start, end = row.schedule.window
         end = min(end, row.schedule.output_length)  # aligned blocks: the last one runs past max_new_tokens
-        new_tokens = self.storage.canvas[row.lane, start:end].tolist()
-        finished = False
-        if params.stop_on_eos and self.eos_ids and end < row.schedule.output_length:
-            # the block ends in EOS and is EOS after its first EOS: the rest of the row would be EOS
-            finished = bool(finished_rows(torch.tensor([new_tokens]), self.eos_tensor)[0])
-        request.generated.extend(new_tokens)
-        self.stats["generated_tokens"] += len(new_tokens)
-        if request.first_block_at is None:
-            request.first_block_at = time.monotonic()
-            self.stats["first_block_seconds_sum"] += request.first_block_at - request.submitted_at
-            self.stats["first_block_count"] += 1
-        if request.on_block is not None:
-            request.on_block(request, new_tokens)
-        if finished or (request.stop_check is not None and request.stop_check(request.generated)):
-            self._finish(row, "stop")
-        elif not row.schedule.next_block():  # "stop" when the answer holds an EOS (the text ends there)
-            self._finish(row, "stop" if any(t in self.eos_ids for t in request.generated) else "length")
+        block = self.storage.canvas[row.lane, start:end]
+        tokens = block.clone() if block.device.type == "cpu" else block.to("cpu", non_blocking=True)  # pinned
+        last = not row.schedule.next_block()
+        if self.ended_blocks is None:
+            self.ended_blocks = [[], None]
+        self.ended_blocks[0].append((row, tokens, end < row.schedule.output_length, last))
+        if last:
+            self.running.remove(row)
+            self.free_lanes += row.lanes
+
+    def _record_event(self):
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _read_block_ends(self):
+        """The ended blocks' tokens: streamed (`on_block`), then `stop_on_eos` and the stop check; a row that
+        stops here ran one step of its next block, whose tokens are dropped (generate stops at the same block)."""
+        if self.ended_blocks is None:
+            return
+        ended, event = self.ended_blocks
+        self.ended_blocks = None
+        if event is not None:
+            event.synchronize()
+        for row, tokens, more_to_come, last in ended:
+            request, params = row.request, row.params
+            if request.finish_reason is not None:  # stopped at an earlier block, cancelled or failed
+                continue
+            try:
+                new_tokens = tokens.tolist()
+                finished = False
+                if params.stop_on_eos and self.eos_ids and more_to_come:
+                    # the block ends in EOS and is EOS after its first EOS: the rest of the row would be EOS
+                    finished = bool(finished_rows(tokens.unsqueeze(0), self.eos_tensor)[0])
+                request.generated.extend(new_tokens)
+                self.stats["generated_tokens"] += len(new_tokens)
+                if request.first_block_at is None:
+                    request.first_block_at = time.monotonic()
+                    self.stats["first_block_seconds_sum"] += request.first_block_at - request.submitted_at
+                    self.stats["first_block_count"] += 1
+                if request.on_block is not None:
+                    request.on_block(request, new_tokens)
+                if finished or (request.stop_check is not None and request.stop_check(request.generated)):
+                    self._finish(row, "stop")
+                elif last:  # "stop" when the answer holds an EOS (the text ends there)
+                    self._finish(row, "stop" if any(t in self.eos_ids for t in request.generated) else "length")
+            except Exception as error:  # noqa: BLE001 (a raising callback fails its own row)
+                self._finish(row, "error", error)
 
     def _finish(self, row: _Row, reason: str, error: Exception | None = None):
         if row in self.running:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -148,7 +149,8 @@ async def run_level(url, clients, args, vocab, rng, stream=True):
                 async for line in response.aiter_lines():
                     if first is None and (line.startswith("data: ") or not stream):
                         first = time.monotonic()
-            timings.append((first - start, time.monotonic() - start))
+            end = time.monotonic()  # CLOCK_MONOTONIC: one clock for the server's process and this one
+            timings.append((first - start, end - start, start, end, tuple(body["prompt"])))
 
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
@@ -222,7 +224,24 @@ def metric(text, name):
     return 0.0
 
 
-def http_row(clients, stream, timings, wall, before, after, alone, alone_runs, args, vocab, rng) -> dict:
+def request_phases(timings, served) -> dict:
+    """Mean seconds of each phase of a request, the client's clock against the engine's request times: sent ->
+    submitted (HTTP, parsing, validation), submitted -> admitted (queued), admitted -> answered (decoding), answered
+    -> the client's last byte (the response's way back)."""
+    by_prompt = {tuple(request.prompt_ids): request for request in served}
+    phases = {"to_engine_s": [], "queued_s": [], "decoding_s": [], "to_client_s": []}
+    for _, _, sent, received, prompt in timings:
+        request = by_prompt.get(prompt)
+        if request is None or request.admitted_at is None or request.finished_at is None:
+            continue
+        for name, (a, b) in zip(phases, ((sent, request.submitted_at), (request.submitted_at, request.admitted_at),
+                                         (request.admitted_at, request.finished_at), (request.finished_at, received))):
+            phases[name].append(b - a)
+    return {name: round(statistics.mean(v), 4) if v else None for name, v in phases.items()}
+
+
+def http_row(clients, stream, timings, wall, before, after, alone, alone_runs, args, vocab, rng,
+             served=()) -> dict:
     """A level's figures from its timings and /metrics deltas, beside the engine alone on as many requests."""
     delta = {n: metric(after, n) - metric(before, n) for n in
              ("hf_dlm_generated_tokens_total", "hf_dlm_forward_passes_total", "hf_dlm_forward_rows_total",
@@ -249,7 +268,8 @@ def http_row(clients, stream, timings, wall, before, after, alone, alone_runs, a
             "engine_steps": int(steps), "engine_alone_steps": alone_run["steps"],
             "step_ms": round(1000 * delta["hf_dlm_engine_step_seconds_total"] / max(steps, 1), 2),
             "engine_alone_step_ms": round(alone_run["step_ms"], 2),
-            "engine_busy_share": round(delta["hf_dlm_engine_step_seconds_total"] / wall, 3)}
+            "engine_busy_share": round(delta["hf_dlm_engine_step_seconds_total"] / wall, 3),
+            **request_phases(timings, served)}
 
 
 def serve_benchmark(model, tokenizer, args, report):
@@ -266,6 +286,13 @@ def serve_benchmark(model, tokenizer, args, report):
         log(f"http: {name} warm-up (compiles the step; Dynamo keeps its graph on the step function)")
         log(f"http: {name} warm-up done: {warm.warmup()}")
     settings = ServerSettings(model_name=f"{args.shape}-shape", max_prompt_tokens=4096, max_output_tokens=4096)
+    served, submit = [], engine.submit  # the server's requests: their engine times beside the clients' own
+
+    def recording_submit(requests):
+        submit(requests)
+        served.extend(requests)
+
+    engine.submit = recording_submit
     server = ThreadedServer(create_app(engine, tokenizer, settings, log=print))
     try:
         log("http: warm-up, 2 requests (the server engine's first steps capture their CUDA graphs)")
@@ -292,8 +319,10 @@ def serve_benchmark(model, tokenizer, args, report):
                 warmed.add(clients)
             for stream in (True, False):
                 log(f"http: {clients} clients in a {where}, switch interval {interval * 1e3:g} ms, stream={stream}")
+                served.clear()
                 timings, wall, before, after = level(clients, where, interval, seed, stream)
-                row = http_row(clients, stream, timings, wall, before, after, alone, alone_runs, args, vocab, rng)
+                row = http_row(clients, stream, timings, wall, before, after, alone, alone_runs, args, vocab, rng,
+                               served)
                 row.update(clients_in=where, switch_interval_ms=round(interval * 1e3, 3))
                 report["serve"].append(row)
                 print(json.dumps(row), flush=True)
@@ -454,14 +483,15 @@ def core_benchmark(model, args, report):
     masks = args.engine_mask.split(",")
     if set(masks) - {"bias", "bool"}:
         raise SystemExit(f"--engine-mask: unknown {sorted(set(masks) - {'bias', 'bool'})} (choose from bias, bool)")
-    engines = {}
-    for mask in masks:  # an engine each: its plans and captured graphs hold the mask's dtype
-        engines[mask] = ContinuousBatchingEngine(model, max_batch_size=max(batches + [args.arrivals]),
-                                                 max_waiting=4096, compile=compile_choice,
-                                                 max_length=canvas_length(args))
+
+    def new_engine(mask):  # an engine per mask form: its plans and captured graphs hold the mask's dtype
+        made = ContinuousBatchingEngine(model, max_batch_size=max(batches + [args.arrivals]), max_waiting=4096,
+                                        compile=compile_choice, max_length=canvas_length(args))
         if mask == "bool":
-            engines[mask].mask_dtype = None  # RaggedStep's boolean form
-    engine = engines[masks[0]]  # the arrivals and the profiles
+            made.mask_dtype = None  # RaggedStep's boolean form
+        return made
+
+    engine = new_engine(masks[0])  # kept: the arrivals and the profiles
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab - 3, (max(batches + [args.arrivals]), args.prompt_tokens), generator=generator)
     rules = {"one": ("one token per step", dict(steps=args.new_tokens)),
@@ -503,8 +533,10 @@ def core_benchmark(model, args, report):
                 out = model.generate(ids, compile=compile_choice, **options)
                 _sync()
                 generate_tps = batch * args.new_tokens / (time.perf_counter() - start)
-            for mask, variant in engines.items():
-                named = "" if len(engines) == 1 else f" ({mask} mask)"
+            for mask in masks:
+                # the other forms' engines live for one batch: each holds its own preallocated storage and graphs
+                variant = engine if mask == masks[0] else new_engine(mask)
+                named = "" if len(masks) == 1 else f" ({mask} mask)"
                 log(f"{label}, batch {batch}: engine{named} warm-up")
                 engine_run(batch, engine=variant)
                 log(f"{label}, batch {batch}: engine{named} timed run")
@@ -518,6 +550,11 @@ def core_benchmark(model, args, report):
                 report["core"].append(row)
                 print(json.dumps(row), flush=True)
                 dump(report, args)
+                if variant is not engine:
+                    del variant
+                    gc.collect()
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
         if not args.arrivals:
             continue
         all_at_once = next((r["engine_tok_s"] for r in report["core"] if r["setting"] == label
@@ -597,7 +634,9 @@ def profile_run(engine, make_requests, every, args, title) -> dict:
     name = "profile_" + "".join(c if c.isalnum() else "_" for c in title) + ".txt"
     with open(os.path.join(args.out, name), "w") as f:
         f.write(f"{title}: steps {first}-{last - 1}\n{events.table(sort_by=sort, row_limit=40)}\n")
-    busy = sum(e.self_device_time_total for e in events) / 1e6 / args.profile_steps if cuda else None
+    # the schedule's ProfilerStep* ranges carry their steps' device time as their own: counted once, in the kernels
+    busy = sum(e.self_device_time_total for e in events if not e.key.startswith("ProfilerStep")) / 1e6 \
+        / args.profile_steps if cuda else None
     return {"steps": [first, last - 1], "wall_ms_per_step": round(plain * 1e3, 3),
             "profiled_wall_ms_per_step": round(wall * 1e3, 3),
             "device_busy_ms_per_step": None if busy is None else round(busy * 1e3, 3),
@@ -731,15 +770,16 @@ def main():
     if report["serve"]:
         print("| clients | in | switch ms | stream | requests | requests/s | output tokens/s | engine alone tokens/s | HTTP / engine "
               "| first block mean / p50 / p90 (s) | latency (s) | rows/forward | graph captures | steps HTTP / alone "
-              "| ms per step HTTP / alone | engine busy share |")
-        print("|---" * 16 + "|")
+              "| ms per step HTTP / alone | engine busy share | sent -> engine / queued / decoding / back (s) |")
+        print("|---" * 17 + "|")
         for r in report["serve"]:
             print(f"| {r['clients']} | {r['clients_in']} | {r['switch_interval_ms']} | {r['stream']} | {r['requests']} | {r['requests_per_s']} | "
                   f"{r['output_tokens_per_s']:,} | {r['engine_alone_tokens_per_s']:,} | {r['http_over_engine']} | "
                   f"{r['first_block_mean_s']} / {r['first_block_p50_s']} / {r['first_block_p90_s']} | "
                   f"{r['latency_mean_s']} | {r['rows_per_forward']} | {r['graph_captures']} | "
                   f"{r['engine_steps']} / {r['engine_alone_steps']} | {r['step_ms']} / {r['engine_alone_step_ms']} | "
-                  f"{r['engine_busy_share']} |")
+                  f"{r['engine_busy_share']} | {r['to_engine_s']} / {r['queued_s']} / {r['decoding_s']} / "
+                  f"{r['to_client_s']} |")
     if report["eval"]:
         print(json.dumps(report["eval"]))
 

@@ -41,6 +41,10 @@ def _serving_parts(out: Path, stdout: str):
     rows = report["serve"]
     assert {(r["clients_in"], r["stream"]) for r in rows} == {(w, s) for w in ("process", "thread") for s in (True, False)}
     assert all(r["output_tokens_per_s"] > 0 and r["engine_steps"] > 0 for r in rows), rows
+    # each request's time split into its phases: the clients' clock against the engine's request times
+    assert all(r["decoding_s"] > 0 and r["queued_s"] >= 0 and r["to_engine_s"] > 0 and r["to_client_s"] > 0
+               and r["to_engine_s"] + r["queued_s"] + r["decoding_s"] + r["to_client_s"] <= r["latency_mean_s"] + 1e-3
+               for r in rows), rows
 
 
 def _compile_time_split(out: Path, stdout: str):

@@ -240,3 +240,5 @@ def test_block_ends_are_read_after_the_next_step_is_queued():
     assert stopped.finish_reason == "stop"
     assert stopped.generated == model.generate(torch.tensor([[6, 7, 8, 9]]), **options)[0, 4:8].tolist()
     assert (engine.stats["forward_passes"], engine.stats["forward_rows"]) == (16, 16 + 5)
+    for request in (streamed, stopped):  # a request's times, in order
+        assert request.submitted_at <= request.admitted_at <= request.first_block_at <= request.finished_at

@@ -83,16 +83,38 @@ class RaggedStep:
     def __init__(self, storage: SlotStorage, lanes: list[int], starts: list[int], lengths: list[int],
                  key_lengths: list[int], mode: str = "bidirectional", block_size: int | None = None,
                  buckets: bool = False, heads: list[tuple[int, int]] | None = None, extra: dict | None = None,
-                 mask_dtype: torch.dtype | None = None):
+                 mask_dtype: torch.dtype | None = None, by_lane: bool = False):
         """heads: per row (first canvas slot, count) whose hidden states go through the LM head ->
         tensors["head_index"] (rows, max count), later columns repeating the last; extra: per-row integer lists
         sent to the device with the rest (one host-to-device copy per step). mask_dtype: the mask as an additive
         bias of this dtype (0 / the dtype's lowest), built once per step; else boolean, which SDPA converts in
-        every layer (on the H100 ~9% of a batch-16 LLaDA-8B step, benchmarks/RESULTS.md)."""
+        every layer (on the H100 ~9% of a batch-16 LLaDA-8B step, benchmarks/RESULTS.md).
+
+        by_lane: row r is lane r (lanes unique; the lanes between without work are filler rows), so that attention
+        reads the storage's first rows as a view (`tensors["lanes"]` None) where gathering the rows' lanes copied
+        every layer's keys / values (11% of a batch-64 LLaDA-8B step on the H100, benchmarks/RESULTS.md);
+        `row_index` (device) then holds the given rows' places, for their logits."""
+        self.row_index = None
+        if by_lane:
+            count = max(lanes) + 1
+            rows = min(max(bucket(count), 2) if buckets else count, max(storage.lanes, count))
+            place = dict(zip(lanes, range(len(lanes))))
+            if len(place) != len(lanes):
+                raise ValueError(f"by_lane: every row needs a lane of its own, got lanes {lanes}")
+
+            def placed(values, fill):
+                return [values[place[lane]] if lane in place else fill for lane in range(rows)]
+
+            row_index = torch.tensor(lanes).to(storage.device, non_blocking=True)
+            starts, lengths, key_lengths = placed(starts, 0), placed(lengths, 0), placed(key_lengths, 1)
+            heads = None if heads is None else placed(heads, None)
+            extra = None if extra is None else {name: placed(list(v), v[0]) for name, v in extra.items()}
+            lanes = list(range(rows))
+            self.row_index = row_index
         b, total, width = len(lanes), sum(lengths), max(lengths)
         # at least two rows: a size of 1 is a case of its own for the compiler (a recompile of the whole model);
         # a filler row has no tokens, only its attention row and LM-head columns
-        rows = max(bucket(b), 2) if buckets else b
+        rows = b if by_lane else max(bucket(b), 2) if buckets else b
         self.num_tokens = bucket(total) if buckets else total
         width = bucket(width) if buckets else width
         filler = rows - b
@@ -115,9 +137,9 @@ class RaggedStep:
                  "starts": torch.tensor(starts)}
         if heads is not None:
             # filler rows read packed token 0: their offset is `total`, one past the last token when no padding
-            first = torch.cat([torch.tensor([h[0] for h in heads]) - torch.tensor(starts[:b]) + offsets[:b],
-                               torch.zeros(filler, dtype=torch.long)])
-            count = torch.tensor([h[1] for h in heads] + [1] * filler)
+            heads = [(0, 1) if h is None else h for h in heads] + [(0, 1)] * filler  # fillers: token 0
+            first = torch.where(lengths_t > 0, torch.tensor([h[0] for h in heads]) - torch.tensor(starts) + offsets, 0)
+            count = torch.tensor([h[1] for h in heads])
             columns = torch.arange(int(count.max()))
             parts["head_index"] = first.unsqueeze(1) + torch.minimum(columns.unsqueeze(0), count.unsqueeze(1) - 1)
         for name, values in (extra or {}).items():
@@ -142,6 +164,8 @@ class RaggedStep:
         tensors["mask"] = allowed if mask_dtype is None else additive_mask(allowed, mask_dtype)
         slots = tensors["token_slot"]
         tensors["positions"] = torch.where(slots == storage.trash, 0, slots).unsqueeze(0)  # (1, T) RoPE positions
+        if by_lane:
+            tensors["lanes"] = None  # attention slices the storage
         self.tensors = {name: tensors.pop(name) for name in list(tensors) if name not in (extra or {})}
         self.extra = tensors
         self.offsets, self.starts, self.rows = offsets.tolist(), starts, rows
@@ -187,8 +211,12 @@ class RaggedKV:
         """query (1, nh, T, hd) -> attention output (1, T, nh, hd): per row against its lane's keys / values."""
         width = self.mask.shape[-1]  # the step's K slots (`RaggedStep`)
         keys, values = self.storage_of(module.layer_idx)
-        keys = keys[:, :width].index_select(0, self.lanes).transpose(1, 2)  # (b, nkv, K, hd)
-        values = values[:, :width].index_select(0, self.lanes).transpose(1, 2)
+        if self.lanes is None:  # row r is lane r (`RaggedStep(by_lane=True)`): a view, no copy
+            rows = self.q_index.shape[0]
+            keys, values = keys[:rows, :width].transpose(1, 2), values[:rows, :width].transpose(1, 2)
+        else:
+            keys = keys[:, :width].index_select(0, self.lanes).transpose(1, 2)  # (b, nkv, K, hd)
+            values = values[:, :width].index_select(0, self.lanes).transpose(1, 2)
         queries = query[0].transpose(0, 1)[self.q_index].transpose(1, 2)  # (b, nh, Q, hd)
         if keys.shape[1] != queries.shape[1]:  # grouped-query attention
             repeat = queries.shape[1] // keys.shape[1]

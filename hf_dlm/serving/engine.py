@@ -141,8 +141,10 @@ class GenerationRequest:
     finish_reason: str | None = None
     error: Exception | None = None
     cancelled: bool = False  # set by the caller (client gone): the row leaves at the next step
-    submitted_at: float = field(default_factory=time.monotonic)
-    first_block_at: float | None = None
+    submitted_at: float = field(default_factory=time.monotonic)  # time.monotonic() (vLLM's RequestMetrics' times)
+    admitted_at: float | None = None  # took a lane
+    first_block_at: float | None = None  # its first block read back
+    finished_at: float | None = None  # answered (on_done)
 
 
 def decode_answer(tokenizer, generated: list[int], eos_ids, stops: list[str], max_tokens: int):
@@ -327,6 +329,7 @@ class ContinuousBatchingEngine:
                     self._done(request, "cancelled")
                     continue
                 lane = self._take_lane()
+                request.admitted_at = time.monotonic()
                 try:
                     row = _Row(request, lane, None, self.shift, self.device)
                 except Exception as error:  # noqa: BLE001 (a request the engine cannot start fails alone)
@@ -338,7 +341,7 @@ class ContinuousBatchingEngine:
                     row.uncond_lane = self._take_lane()
                 lanes += len(row.lanes)
                 length = row.schedule.length
-                self.storage.reserve(max(row.lanes) + 1, length)
+                self.storage.reserve(max(max(row.lanes) + 1, 2), length)  # 2+ lanes: a one-row step compiles apart
                 canvas = request.prompt_ids + [self.mask_id] * (length - row.prompt_len)
                 self.storage.canvas[lane, :length] = torch.tensor(canvas).to(self.device, non_blocking=True)
 
@@ -424,7 +427,7 @@ class ContinuousBatchingEngine:
         if key != self.plan_key:
             self.plan_key, self.plan = key, RaggedStep(
                 self.storage, lanes, [s for s, _ in spans], [e - s for s, e in spans], lengths, self.attention_mode,
-                self.block_size, buckets=compiled, heads=heads, extra=extra, mask_dtype=self.mask_dtype)
+                self.block_size, buckets=compiled, heads=heads, extra=extra, mask_dtype=self.mask_dtype, by_lane=True)
         step = self.plan
         tensors = dict(step.tensors)  # input_ids join per step
         token_row = tensors["token_row"]
@@ -439,7 +442,7 @@ class ContinuousBatchingEngine:
                                values=self._layers(self.storage.values))
         else:
             logits = self._compiled_forward(tensors)
-        logits = logits[: len(entries)]
+        logits = logits[step.row_index]  # row r of the step is lane r: the entries' rows, in their order
         self._count_forward(len(entries), step.num_tokens)
         if len(entries) == len(rows):
             return logits
@@ -606,7 +609,7 @@ class ContinuousBatchingEngine:
     def _done(self, request: GenerationRequest, reason: str, error: Exception | None = None):
         if request.finish_reason is not None:  # already answered (a callback raised after its on_done)
             return
-        request.finish_reason, request.error = reason, error
+        request.finish_reason, request.error, request.finished_at = reason, error, time.monotonic()
         self.stats["requests_failed" if error is not None else "requests_cancelled" if reason == "cancelled"
                    else "requests_finished"] += 1
         if request.on_done is not None:

@@ -221,12 +221,16 @@ def test_budget_steps_read_nothing_back_per_step(monkeypatch, threshold):
         assert counts[16][0] >= counts[16][1] - 1, counts
 
 
-def test_block_ends_are_read_after_the_next_step_is_queued():
+@pytest.mark.parametrize("defer", [True, False])
+def test_block_ends_are_read_after_the_next_step_is_queued(defer):
     # requests that arrive apart end their blocks on staggered steps: reading a block's tokens at once would make the
-    # host wait for the device almost every step. The engine reads them at the next step, after queuing its forward;
-    # a row that stops there ran one step of its next block, whose tokens are dropped.
+    # host wait for the device almost every step. On a GPU the engine reads them at the next step, after queuing its
+    # forward; a row that stops there ran one step of its next block, whose tokens are dropped. On a CPU (nothing
+    # runs ahead) it reads them at once.
     model = tiny_model("sdpa", eos_token_id=5)
     engine = ContinuousBatchingEngine(model, max_batch_size=2)
+    assert not engine.defer_block_reads  # the CPU's default
+    engine.defer_block_reads = defer
     options = dict(max_new_tokens=16, block_length=4, steps=16, stop_on_eos=False)
     read_at = []
     streamed = GenerationRequest([3, 4, 5], engine.sampling_params(**options),
@@ -235,10 +239,11 @@ def test_block_ends_are_read_after_the_next_step_is_queued():
                                 stop_check=lambda generated: len(generated) >= 4)
     engine.submit([streamed, stopped])
     engine.run_until_idle()
-    assert read_at == [5, 9, 13, 16]  # block k ends at forward 4k; the last one is read as the engine empties
+    # block k ends at forward 4k; deferred, it is read during the next forward, the last one as the engine empties
+    assert read_at == ([5, 9, 13, 16] if defer else [4, 8, 12, 16])
     assert streamed.generated == model.generate(torch.tensor([[3, 4, 5]]), **options)[0, 3:].tolist()
     assert stopped.finish_reason == "stop"
     assert stopped.generated == model.generate(torch.tensor([[6, 7, 8, 9]]), **options)[0, 4:8].tolist()
-    assert (engine.stats["forward_passes"], engine.stats["forward_rows"]) == (16, 16 + 5)
+    assert (engine.stats["forward_passes"], engine.stats["forward_rows"]) == (16, 16 + 4 + defer)
     for request in (streamed, stopped):  # a request's times, in order
         assert request.submitted_at <= request.admitted_at <= request.first_block_at <= request.finished_at

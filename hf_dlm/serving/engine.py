@@ -230,6 +230,8 @@ class ContinuousBatchingEngine:
             **COMPILE_CHOICES[self.compile_choice])
         self.graphs, self.graphs_storage = None, None
         self.ended_blocks = None  # [[(row, host tokens, more blocks after it, last), ...], copy event]: read next step
+        # deferred on an asynchronous device only: on a CPU the next forward runs before the read, a step of latency
+        self.defer_block_reads = self.device.type == "cuda"
         self.plan_key, self.plan = None, None  # the last step's RaggedStep: reused while no row changes its span
         self.captures = self.compile_choice not in (None, "eager") and self.device.type == "cuda"  # StepGraphs
         if preallocate if preallocate is not None else self.captures:
@@ -378,7 +380,7 @@ class ContinuousBatchingEngine:
                 self._end_block(row)
         if self.ended_blocks is not None:
             self.ended_blocks[1] = self._record_event()
-            if not self.running:  # no forward left to overlap with
+            if not self.running or not self.defer_block_reads:  # no forward left to overlap with
                 self._read_block_ends()
 
     def run_until_idle(self):

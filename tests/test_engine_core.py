@@ -480,11 +480,13 @@ def test_a_step_by_lane_puts_row_r_on_lane_r_and_attends_to_a_view_of_the_storag
     step = RaggedStep(storage, [2, 0], [5, 0], [2, 3], [8, 8], buckets=True, heads=[(6, 1), (0, 3)],
                       extra={"canvas_lanes": [2, 0]}, by_lane=True)
     tensors = step.tensors
-    assert tensors["lanes"] is None and step.row_index.tolist() == [2, 0] and step.rows == 3
+    assert tensors["lanes"] is None and step.rows == 3
     assert tensors["token_row"][:5].tolist() == [0, 0, 0, 2, 2]  # lane 0's 3 tokens, then lane 2's 2
     assert tensors["token_slot"][:5].tolist() == [0, 1, 2, 5, 6] and tensors["token_lane"][:5].tolist() == [0, 0, 0, 2, 2]
     assert tensors["q_index"].tolist() == [[0, 1, 2], [0, 0, 0], [3, 4, 0]]  # lane 1: a filler row
-    assert tensors["head_index"].tolist() == [[0, 1, 2], [0, 0, 0], [4, 4, 4]]  # lane 2's head: slot 6 = token 4
+    # the LM head's rows are the given rows, in their order: lane 2's head (slot 6 = token 4), then lane 0's;
+    # the idle lane 1 costs no LM-head columns
+    assert tensors["head_index"].tolist() == [[4, 4, 4], [0, 1, 2]]
     assert step.extra["canvas_lanes"].tolist() == [0, 2, 2]
     assert not tensors["mask"][1, 0, :, 1:].any()  # the filler row sees slot 0 only
     # attention against the view equals attention against the gathered lanes

@@ -93,8 +93,8 @@ class RaggedStep:
         by_lane: row r is lane r (lanes unique; the lanes between without work are filler rows), so that attention
         reads the storage's first rows as a view (`tensors["lanes"]` None) where gathering the rows' lanes copied
         every layer's keys / values (11% of a batch-64 LLaDA-8B step on the H100, benchmarks/RESULTS.md);
-        `row_index` (device) then holds the given rows' places, for their logits."""
-        self.row_index = None
+        the LM head's rows stay the given rows, in their order (bucketed): idle lanes cost no LM-head columns."""
+        head_rows = None
         if by_lane:
             count = max(lanes) + 1
             rows = min(max(bucket(count), 2) if buckets else count, max(storage.lanes, count))
@@ -105,12 +105,12 @@ class RaggedStep:
             def placed(values, fill):
                 return [values[place[lane]] if lane in place else fill for lane in range(rows)]
 
-            row_index = torch.tensor(lanes).to(storage.device, non_blocking=True)
+            if heads is not None:
+                head_rows = (lanes, list(starts), heads)
+                heads = None
             starts, lengths, key_lengths = placed(starts, 0), placed(lengths, 0), placed(key_lengths, 1)
-            heads = None if heads is None else placed(heads, None)
             extra = None if extra is None else {name: placed(list(v), v[0]) for name, v in extra.items()}
             lanes = list(range(rows))
-            self.row_index = row_index
         b, total, width = len(lanes), sum(lengths), max(lengths)
         # at least two rows: a size of 1 is a case of its own for the compiler (a recompile of the whole model);
         # a filler row has no tokens, only its attention row and LM-head columns
@@ -142,6 +142,16 @@ class RaggedStep:
             count = torch.tensor([h[1] for h in heads])
             columns = torch.arange(int(count.max()))
             parts["head_index"] = first.unsqueeze(1) + torch.minimum(columns.unsqueeze(0), count.unsqueeze(1) - 1)
+        elif head_rows is not None:  # by lane: the given rows' heads, their tokens found through their lanes
+            head_lanes, head_starts, heads = head_rows
+            n = len(heads)
+            fill = (max(bucket(n), 2) if buckets else n) - n  # filler head rows read packed token 0
+            lane_offset = offsets[torch.tensor(head_lanes)]
+            first = torch.tensor([h[0] for h in heads]) - torch.tensor(head_starts) + lane_offset
+            count = torch.tensor([h[1] for h in heads])
+            columns = torch.arange(int(count.max()))
+            index = first.unsqueeze(1) + torch.minimum(columns.unsqueeze(0), count.unsqueeze(1) - 1)
+            parts["head_index"] = torch.cat([index, index.new_zeros(fill, index.shape[1])])
         for name, values in (extra or {}).items():
             parts[name] = torch.tensor(list(values) + [values[0]] * filler)
         # the step's one upload; non-blocking: a blocking copy to a GPU waits for the work queued before it

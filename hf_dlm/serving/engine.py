@@ -444,7 +444,7 @@ class ContinuousBatchingEngine:
                                values=self._layers(self.storage.values))
         else:
             logits = self._compiled_forward(tensors)
-        logits = logits[step.row_index]  # row r of the step is lane r: the entries' rows, in their order
+        logits = logits[: len(entries)]  # the LM head's rows are the entries', in their order, then filler rows
         self._count_forward(len(entries), step.num_tokens)
         if len(entries) == len(rows):
             return logits

@@ -72,6 +72,8 @@ def parse_args():
     p.add_argument("--switch-intervals", default="0", help="comma-separated sys.setswitchinterval values (s) for the "
                    "server's process at each level (0: Python's own, 5 ms): how long the engine thread may wait "
                    "for the GIL that the event loop holds")
+    p.add_argument("--http-parser", default="auto", choices=("auto", "h11", "httptools"),
+                   help="uvicorn's HTTP parser (auto: httptools where installed, as `hf-dlm serve`)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-length", type=int, default=32)
@@ -217,6 +219,11 @@ def engine_alone(engine, count, args, vocab, rng, clients=None):
             "step_ms": 1000 * (engine.stats["step_seconds"] - busy) / max(steps, 1)}
 
 
+def thread_cpu(*threads) -> tuple[float, ...]:
+    """CPU seconds so far of each thread (Linux: its own clock, read from this thread), then of the process."""
+    return (*(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads), time.process_time())
+
+
 def metric(text, name):
     for line in text.splitlines():
         if line.startswith(name + " "):
@@ -293,7 +300,13 @@ def serve_benchmark(model, tokenizer, args, report):
         served.extend(requests)
 
     engine.submit = recording_submit
-    server = ThreadedServer(create_app(engine, tokenizer, settings, log=print))
+    app = create_app(engine, tokenizer, settings, log=print)
+    server = ThreadedServer(app, args.http_parser)
+    parser = args.http_parser
+    if parser == "auto":
+        import importlib.util
+
+        parser = "httptools" if importlib.util.find_spec("httptools") else "h11"
     try:
         log("http: warm-up, 2 requests (the server engine's first steps capture their CUDA graphs)")
         one = argparse.Namespace(**{**vars(args), "requests_per_client": 1})
@@ -302,12 +315,17 @@ def serve_benchmark(model, tokenizer, args, report):
         levels = [(int(c), where, float(si) or default_interval) for c in args.clients.split(",")
                   for where in args.clients_in.split(",") for si in args.switch_intervals.split(",")]
 
+        cpu = {}
+
         def level(clients, where, interval, seed, stream=True):
             sys.setswitchinterval(interval)  # the server's process during the level only: the engine alone runs alone
+            before = thread_cpu(server.thread, engine.thread)
             try:
                 return run_clients(where, server.url, clients, args, vocab, seed, stream)
             finally:
                 sys.setswitchinterval(default_interval)
+                cpu.update(zip(("loop", "engine", "process"), (b - a for a, b in
+                                                              zip(before, thread_cpu(server.thread, engine.thread)))))
 
         warmed, alone_runs = set(), {}
         for seed, (clients, where, interval) in enumerate(levels, start=1):
@@ -323,7 +341,14 @@ def serve_benchmark(model, tokenizer, args, report):
                 timings, wall, before, after = level(clients, where, interval, seed, stream)
                 row = http_row(clients, stream, timings, wall, before, after, alone, alone_runs, args, vocab, rng,
                                served)
-                row.update(clients_in=where, switch_interval_ms=round(interval * 1e3, 3))
+                row.update(clients_in=where, switch_interval_ms=round(interval * 1e3, 3), http_parser=parser,
+                           event_loop=type(app.state.server.loop).__module__.split(".")[0])
+                # CPU seconds of the server's event loop per request, of the engine thread per step, and of the rest
+                # of the server's process (worker threads, clients in a thread) per request
+                row.update(loop_cpu_ms_per_request=round(1e3 * cpu["loop"] / max(len(timings), 1), 3),
+                           engine_cpu_ms_per_step=round(1e3 * cpu["engine"] / max(row["engine_steps"], 1), 3),
+                           other_cpu_ms_per_request=round(1e3 * (cpu["process"] - cpu["loop"] - cpu["engine"])
+                                                          / max(len(timings), 1), 3))
                 report["serve"].append(row)
                 print(json.dumps(row), flush=True)
                 dump(report, args)
@@ -380,7 +405,7 @@ def eval_benchmark(model, tokenizer, args, report):
 class ThreadedServer:
     """uvicorn on a thread at 127.0.0.1 (a free port); `stop()` drains as SIGTERM does."""
 
-    def __init__(self, app):
+    def __init__(self, app, http: str = "auto"):
         import socket
         import threading
 
@@ -389,7 +414,8 @@ class ThreadedServer:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=http)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 120
@@ -770,8 +796,9 @@ def main():
     if report["serve"]:
         print("| clients | in | switch ms | stream | requests | requests/s | output tokens/s | engine alone tokens/s | HTTP / engine "
               "| first block mean / p50 / p90 (s) | latency (s) | rows/forward | graph captures | steps HTTP / alone "
-              "| ms per step HTTP / alone | engine busy share | sent -> engine / queued / decoding / back (s) |")
-        print("|---" * 17 + "|")
+              "| ms per step HTTP / alone | engine busy share | sent -> engine / queued / decoding / back (s) "
+              "| CPU ms: loop / request, engine / step, rest / request |")
+        print("|---" * 18 + "|")
         for r in report["serve"]:
             print(f"| {r['clients']} | {r['clients_in']} | {r['switch_interval_ms']} | {r['stream']} | {r['requests']} | {r['requests_per_s']} | "
                   f"{r['output_tokens_per_s']:,} | {r['engine_alone_tokens_per_s']:,} | {r['http_over_engine']} | "
@@ -779,7 +806,8 @@ def main():
                   f"{r['latency_mean_s']} | {r['rows_per_forward']} | {r['graph_captures']} | "
                   f"{r['engine_steps']} / {r['engine_alone_steps']} | {r['step_ms']} / {r['engine_alone_step_ms']} | "
                   f"{r['engine_busy_share']} | {r['to_engine_s']} / {r['queued_s']} / {r['decoding_s']} / "
-                  f"{r['to_client_s']} |")
+                  f"{r['to_client_s']} | {r['loop_cpu_ms_per_request']} / {r['engine_cpu_ms_per_step']} / "
+                  f"{r['other_cpu_ms_per_request']} |")
     if report["eval"]:
         print(json.dumps(report["eval"]))
 

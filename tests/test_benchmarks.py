@@ -45,6 +45,9 @@ def _serving_parts(out: Path, stdout: str):
     assert all(r["decoding_s"] > 0 and r["queued_s"] >= 0 and r["to_engine_s"] > 0 and r["to_client_s"] > 0
                and r["to_engine_s"] + r["queued_s"] + r["decoding_s"] + r["to_client_s"] <= r["latency_mean_s"] + 1e-3
                for r in rows), rows
+    # the server's CPU: its event loop per request and the engine thread per step (each thread's own clock)
+    assert all(r["loop_cpu_ms_per_request"] > 0 and r["engine_cpu_ms_per_step"] > 0 for r in rows), rows
+    assert {r["http_parser"] for r in rows} <= {"h11", "httptools"} and all(r["event_loop"] for r in rows), rows
 
 
 def _compile_time_split(out: Path, stdout: str):

@@ -532,3 +532,26 @@ def test_serve_cli_options_reach_the_server(tmp_path, monkeypatch, capsys):
     args = parser.parse_args(["--model", str(tmp_path / "model"), "--device", "cpu", "--no-fuse-projections"])
     assert serve_command.run(args) == 0
     assert hasattr(served[-1][0].state.server.engine.model.model.layers[0].self_attn, "q_proj")
+
+
+def test_a_short_body_is_checked_on_the_event_loop_and_a_long_one_in_a_worker_thread(server, monkeypatch):
+    # the hop to a worker and back costs two GIL hand-offs that a burst of short requests waits for; a long prompt's
+    # tokenizing must still not stall the event loop
+    check, threads = server.app_server.check, []
+    original = type(check).__call__
+
+    def recording(self, body):
+        threads.append(threading.current_thread() is server.thread)
+        return original(self, body)
+
+    monkeypatch.setattr(type(check), "__call__", recording)
+    monkeypatch.setattr(check, "inline_chars", 40)
+    assert post(server, {"prompt": "the quick", "max_tokens": 4})[0] == 200
+    assert post(server, {"prompt": [3, 4, 5] * 10, "max_tokens": 4})[0] == 200  # token ids: nothing to tokenize
+    assert post(server, {"messages": [{"role": "user", "content": "the quick"}], "max_tokens": 4},
+                "/v1/chat/completions")[0] == 200
+    assert post(server, {"prompt": "the quick brown fox " * 3, "max_tokens": 4})[0] == 200  # 60 characters
+    assert post(server, {"prompt": ["the quick brown fox"] * 3, "max_tokens": 4})[0] == 200
+    assert post(server, {"messages": [{"role": "user", "content": "the quick brown fox " * 3}], "max_tokens": 4},
+                "/v1/chat/completions")[0] == 200
+    assert threads == [True, True, True, False, False, False]

@@ -226,8 +226,11 @@ def test_errors_name_the_field_and_limits_apply(server):
 
     settings, engine = server.app_server.settings, server.app_server.engine
     settings.api_key = "sekret"
+    counted = server.app_server.http_status
+    unauthorized = counted[("/v1/completions", 401)]
     try:
         assert post({"prompt": "x"})[0] == 401
+        assert counted[("/v1/completions", 401)] == unauthorized + 1  # /metrics counts the middleware's own answers
         assert post({"prompt": "x", "max_tokens": 4}, headers={"Authorization": "Bearer sekret"})[0] == 200
         assert httpx.get(server.url + "/health").status_code == 200  # health and metrics stay open
     finally:

@@ -137,8 +137,9 @@ class DLMServer:
 
     async def handle(self, body, request: Request, chat: bool):
         self.check_engine()
-        # tokenizing and templating take a worker thread: a long prompt must not stall the other requests
-        loop, checked = asyncio.get_running_loop(), await asyncio.to_thread(self.check, body)
+        # a long prompt is tokenized and templated in a worker thread, so as not to stall the other requests
+        loop = asyncio.get_running_loop()
+        checked = self.check(body) if self.check.is_light(body) else await asyncio.to_thread(self.check, body)
         pairs = zip((ids for ids in checked.prompts for _ in range(body.n)), checked.params)
         choices = [_Choice(self, ids, params, checked.max_tokens, body.stop_list(), loop, index)
                    for index, (ids, params) in enumerate(pairs)]
@@ -337,6 +338,38 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+class KeyAndStatus:
+    """ASGI middleware: /v1/* needs the API key (else 401), and every response's status is counted by path
+    (/metrics). Plain ASGI where Starlette's `@app.middleware("http")` would run every response, each streamed
+    event included, through a memory stream and a task of its own: event-loop time that a burst of requests
+    waits for."""
+
+    def __init__(self, app, server: DLMServer):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, key, status = scope["path"], self.server.settings.api_key, None
+
+        async def send_counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if key and path.startswith("/v1/") and \
+                    dict(scope["headers"]).get(b"authorization") != f"Bearer {key}".encode():
+                response = _error_response(401, "missing or wrong API key (Authorization: Bearer ...)", None,
+                                           "authentication_error")
+                await response(scope, receive, send_counted)
+            else:
+                await self.app(scope, receive, send_counted)
+        finally:  # an exception before any answer: the outer error middleware answers 500
+            self.server.http_status[(path, status or 500)] += 1
+
+
 def create_app(engine: ContinuousBatchingEngine, tokenizer, settings: ServerSettings | None = None,
                log=print) -> FastAPI:
     """The FastAPI app; the engine's loop starts with the app and stops at shutdown (uvicorn first waits for
@@ -361,18 +394,8 @@ def create_app(engine: ContinuousBatchingEngine, tokenizer, settings: ServerSett
 
     app = FastAPI(title="hf-dlm", lifespan=lifespan)
     app.state.server = server
-    app.add_middleware(BodyLimit, limit=server.settings.max_body_bytes)  # inside the middleware below: counted
-
-    @app.middleware("http")
-    async def check_key_and_count(request: Request, call_next):
-        key = server.settings.api_key
-        if key and request.url.path.startswith("/v1/") and request.headers.get("authorization") != f"Bearer {key}":
-            response = _error_response(401, "missing or wrong API key (Authorization: Bearer ...)", None,
-                                       "authentication_error")
-        else:
-            response = await call_next(request)
-        server.http_status[(request.url.path, response.status_code)] += 1
-        return response
+    app.add_middleware(BodyLimit, limit=server.settings.max_body_bytes)  # inside the one below: 413s counted
+    app.add_middleware(KeyAndStatus, server=server)
 
     @app.exception_handler(APIError)
     async def api_error(request, error: APIError):

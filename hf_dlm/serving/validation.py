@@ -49,6 +49,20 @@ class RequestChecker:
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.vocab_size = getattr(config, "vocab_size", None) or len(tokenizer)
 
+    # texts up to this many characters are tokenized on the event loop (well under a millisecond); longer ones in a
+    # worker thread, so that a long prompt does not stall the other requests
+    inline_chars = 4096
+
+    def is_light(self, body) -> bool:
+        """Cheap enough to check on the event loop: token ids, or texts of at most `inline_chars` in all. The hop to
+        a worker thread and back is two hand-offs of the GIL, each up to a switch interval (5 ms) while the engine
+        thread runs Python: time a burst of requests waits for."""
+        if isinstance(body, ChatCompletionRequest):
+            texts = [message.content for message in body.messages]
+        else:
+            texts = [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)]
+        return sum(len(text) for text in texts) <= self.inline_chars
+
     def __call__(self, body) -> CheckedRequest:
         settings = self.settings
         if body.model is not None and body.model not in settings.model_names:

@@ -555,3 +555,24 @@ def test_a_short_body_is_checked_on_the_event_loop_and_a_long_one_in_a_worker_th
     assert post(server, {"messages": [{"role": "user", "content": "the quick brown fox " * 3}], "max_tokens": 4},
                 "/v1/chat/completions")[0] == 200
     assert threads == [True, True, True, False, False, False]
+
+
+def test_a_choice_decodes_its_text_once_per_new_block(server, monkeypatch):
+    # a stream's events each ask for the text (and its last one twice): decoded again only when tokens came in
+    import asyncio
+    from types import SimpleNamespace
+
+    from hf_dlm.serving.app import _Choice
+
+    decoded, tokenizer = [], server.tokenizer
+    owner = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **kw: decoded.append(list(ids)) or
+                                                      tokenizer.decode(ids, **kw)),
+                            engine=SimpleNamespace(eos_ids={tokenizer.eos_token_id}))
+    ids = tokenizer("the quick brown fox")["input_ids"]
+    choice = _Choice(owner, ids, server.engine.sampling_params(max_new_tokens=8, block_length=4, steps=8), 8, [],
+                     asyncio.new_event_loop(), 0)
+    choice.request.generated.extend(ids[:2])
+    assert choice.text() == choice.text() == (tokenizer.decode(ids[:2], skip_special_tokens=True), None)
+    choice.request.generated.extend(ids[2:4])
+    assert choice.text()[0] == tokenizer.decode(ids[:4], skip_special_tokens=True)
+    assert decoded == [ids[:2], ids[:4]]

@@ -83,6 +83,7 @@ class _Choice:
         self.server, self.max_tokens, self.stops, self.index = server, max_tokens, stops, index
         self.events: asyncio.Queue = asyncio.Queue()
         self.sent = 0  # characters already streamed
+        self._decoded = (-1, ("", None))  # (tokens decoded, text()): a stream's last event asks twice
         post = lambda *event: loop.call_soon_threadsafe(self.events.put_nowait, event)  # noqa: E731
         self.request = GenerationRequest(prompt_ids, params, on_block=lambda r, ids: post("block", None),
                                          on_done=lambda r, reason, error: post("done", error),
@@ -90,8 +91,14 @@ class _Choice:
 
     def text(self) -> tuple[str, str | None]:
         """(text so far, finish reason if already decided by EOS / stop sequence / max_tokens)."""
-        return decode_answer(self.server.tokenizer, self.request.generated, self.server.engine.eos_ids, self.stops,
-                             self.max_tokens)
+        generated = self.request.generated  # only grows: its length keys the decoded text
+        count, answer = self._decoded
+        if count != len(generated):
+            count = len(generated)
+            answer = decode_answer(self.server.tokenizer, generated[:count], self.server.engine.eos_ids, self.stops,
+                                   self.max_tokens)
+            self._decoded = (count, answer)
+        return answer
 
     def _stopped(self, generated) -> bool:  # engine thread, at a block boundary
         if not self.stops:  # EOS and max_tokens read from the ids: no decode of every row's text inside a step

@@ -302,11 +302,8 @@ def serve_benchmark(model, tokenizer, args, report):
     engine.submit = recording_submit
     app = create_app(engine, tokenizer, settings, log=print)
     server = ThreadedServer(app, args.http_parser)
-    parser = args.http_parser
-    if parser == "auto":
-        import importlib.util
-
-        parser = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    # the parser uvicorn loaded (with "auto": httptools where installed)
+    parser = "httptools" if "HttpTools" in server.server.config.http_protocol_class.__name__ else "h11"
     try:
         log("http: warm-up, 2 requests (the server engine's first steps capture their CUDA graphs)")
         one = argparse.Namespace(**{**vars(args), "requests_per_client": 1})

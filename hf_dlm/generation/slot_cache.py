@@ -94,7 +94,8 @@ class RaggedStep:
         reads the storage's first rows as a view (`tensors["lanes"]` None) where gathering the rows' lanes copied
         every layer's keys / values (11% of a batch-64 LLaDA-8B step on the H100, benchmarks/RESULTS.md);
         the LM head's rows stay the given rows, in their order (bucketed): idle lanes cost no LM-head columns."""
-        head_rows = None
+        # the LM head's rows: the given rows, in their order, each read through its place among the step's rows
+        head_places, head_starts = list(range(len(lanes))), list(starts)
         if by_lane:
             count = max(lanes) + 1
             rows = min(max(bucket(count), 2) if buckets else count, max(storage.lanes, count))
@@ -105,9 +106,7 @@ class RaggedStep:
             def placed(values, fill):
                 return [values[place[lane]] if lane in place else fill for lane in range(rows)]
 
-            if heads is not None:
-                head_rows = (lanes, list(starts), heads)
-                heads = None
+            head_places = list(lanes)
             starts, lengths, key_lengths = placed(starts, 0), placed(lengths, 0), placed(key_lengths, 1)
             extra = None if extra is None else {name: placed(list(v), v[0]) for name, v in extra.items()}
             lanes = list(range(rows))
@@ -136,21 +135,11 @@ class RaggedStep:
                  "lanes": torch.tensor(lanes), "key_lengths": torch.tensor(key_lengths + [1] * filler),
                  "starts": torch.tensor(starts)}
         if heads is not None:
-            # filler rows read packed token 0: their offset is `total`, one past the last token when no padding
-            heads = [(0, 1) if h is None else h for h in heads] + [(0, 1)] * filler  # fillers: token 0
-            first = torch.where(lengths_t > 0, torch.tensor([h[0] for h in heads]) - torch.tensor(starts) + offsets, 0)
-            count = torch.tensor([h[1] for h in heads])
-            columns = torch.arange(int(count.max()))
-            parts["head_index"] = first.unsqueeze(1) + torch.minimum(columns.unsqueeze(0), count.unsqueeze(1) - 1)
-        elif head_rows is not None:  # by lane: the given rows' heads, their tokens found through their lanes
-            head_lanes, head_starts, heads = head_rows
-            n = len(heads)
-            fill = (max(bucket(n), 2) if buckets else n) - n  # filler head rows read packed token 0
-            lane_offset = offsets[torch.tensor(head_lanes)]
-            first = torch.tensor([h[0] for h in heads]) - torch.tensor(head_starts) + lane_offset
+            first = torch.tensor([h[0] for h in heads]) - torch.tensor(head_starts) + offsets[head_places]
             count = torch.tensor([h[1] for h in heads])
             columns = torch.arange(int(count.max()))
             index = first.unsqueeze(1) + torch.minimum(columns.unsqueeze(0), count.unsqueeze(1) - 1)
+            fill = (max(bucket(len(heads)), 2) if buckets else len(heads)) - len(heads)  # filler rows: token 0
             parts["head_index"] = torch.cat([index, index.new_zeros(fill, index.shape[1])])
         for name, values in (extra or {}).items():
             parts[name] = torch.tensor(list(values) + [values[0]] * filler)

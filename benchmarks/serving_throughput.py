@@ -56,6 +56,9 @@ def parse_args():
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--arrivals", type=int, default=64, help="requests of the arrivals run (0: no arrivals run)")
     p.add_argument("--arrival-every", type=int, default=8, help="engine steps between two arrivals")
+    p.add_argument("--arrival-split", default="yes", help="the arrivals runs, comma-separated: yes (a step mixing "
+                   "block starts with windows attends in two calls, the engine's default), no (one call padding "
+                   "every row to the widest)")
     p.add_argument("--compile", default=None, help="'true' (default; 'none' with --tiny), 'none' or a "
                    "DLMGenerationConfig.compile value")
     p.add_argument("--float8-weights", default="bf16,float8", help="the float8 part's runs, in this order: bf16, "
@@ -507,14 +510,19 @@ def core_benchmark(model, args, report):
     if set(masks) - {"bias", "bool"}:
         raise SystemExit(f"--engine-mask: unknown {sorted(set(masks) - {'bias', 'bool'})} (choose from bias, bool)")
 
-    def new_engine(mask):  # an engine per mask form: its plans and captured graphs hold the mask's dtype
+    splits = args.arrival_split.split(",")
+    if set(splits) - {"yes", "no"}:
+        raise SystemExit(f"--arrival-split: unknown {sorted(set(splits) - {'yes', 'no'})} (choose from yes, no)")
+
+    def new_engine(mask, split="yes"):  # an engine per variant: its plans and captured graphs hold the variant's
         made = ContinuousBatchingEngine(model, max_batch_size=max(batches + [args.arrivals]), max_waiting=4096,
                                         compile=compile_choice, max_length=canvas_length(args))
         if mask == "bool":
             made.mask_dtype = None  # RaggedStep's boolean form
+        made.split_attention = split == "yes"
         return made
 
-    engine = new_engine(masks[0])  # kept: the arrivals and the profiles
+    engine = new_engine(masks[0], splits[0])  # kept: the arrivals and the profiles
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab - 3, (max(batches + [args.arrivals]), args.prompt_tokens), generator=generator)
     rules = {"one": ("one token per step", dict(steps=args.new_tokens)),
@@ -585,21 +593,39 @@ def core_benchmark(model, args, report):
         # A shape is captured the second time it is seen, and this schedule has shapes that occur once per run:
         # runs repeat until one captures nothing (a server in its steady state), at most `ARRIVAL_RUNS`; each
         # run's figures are kept (the first run after the warm-up is what a server's second such burst sees).
-        log(f"{label}, arrivals: engine warm-up")
-        engine_run(args.arrivals, args.arrival_every)
-        runs = []
-        while len(runs) < ARRIVAL_RUNS and (not runs or runs[-1]["captures"]):
-            log(f"{label}, arrivals: engine run {len(runs) + 1}")
-            tps, steps, forwards, captures = engine_run(args.arrivals, args.arrival_every)
-            runs.append({"engine_tok_s": round(tps, 1), "captures": captures})
-        row = {"setting": label, "engine_mask": masks[0], "batch": args.arrivals,
-               "arrival": f"one per {args.arrival_every} steps",
-               "engine_tok_s": round(tps, 1), "engine_steps": steps, "forwards": forwards,
-               "captures_in_timed_run": captures, "runs": runs,
-               "ratio_to_all_at_once": None if all_at_once is None else round(tps / all_at_once, 3)}
-        report["core"].append(row)
-        print(json.dumps(row), flush=True)
-        dump(report, args)
+        for split in splits:
+            if split != splits[0]:  # the kept engine's graphs go (it recaptures for the profiles)
+                engine.graphs = engine.graphs_storage = None
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            variant = engine if split == splits[0] else new_engine(masks[0], split)
+            named = "" if len(splits) == 1 else f" (split {split})"
+            log(f"{label}, arrivals{named}: engine warm-up")
+            engine_run(args.arrivals, args.arrival_every, engine=variant)
+            runs, previous = [], [list(r.generated) for r in last_requests]
+            while len(runs) < ARRIVAL_RUNS and (not runs or runs[-1]["captures"]):
+                log(f"{label}, arrivals{named}: engine run {len(runs) + 1}")
+                tps, steps, forwards, captures = engine_run(args.arrivals, args.arrival_every, engine=variant)
+                # the same requests as the run before (captured graphs replayed instead of plain steps): a replay
+                # reading memory another graph overwrote would change them
+                same = sum(a == b for r, before in zip(last_requests, previous) for a, b in zip(r.generated, before))
+                runs.append({"engine_tok_s": round(tps, 1), "captures": captures,
+                             "tokens_equal_to_previous_run": round(same / sum(map(len, previous)), 4)})
+                previous = [list(r.generated) for r in last_requests]
+            row = {"setting": label, "engine_mask": masks[0], "split_attention": split, "batch": args.arrivals,
+                   "arrival": f"one per {args.arrival_every} steps",
+                   "engine_tok_s": round(tps, 1), "engine_steps": steps, "forwards": forwards,
+                   "captures_in_timed_run": captures, "runs": runs,
+                   "ratio_to_all_at_once": None if all_at_once is None else round(tps / all_at_once, 3)}
+            report["core"].append(row)
+            print(json.dumps(row), flush=True)
+            dump(report, args)
+            if variant is not engine:
+                del variant
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
     if args.profile_steps:
         label, rule = rules[args.rules.split(",")[-1]]
         options = core_options(rule)
@@ -757,7 +783,7 @@ def main():
         args.clients, args.max_tokens, args.block_length, args.steps = "1,4", 8, 4, 4
         args.clients_in, args.switch_intervals = "process,thread", "0.001"
         args.fuse_projections, args.profile_steps, args.profile_skip = "no,yes", 2, 1
-        args.engine_mask = "bias,bool"
+        args.engine_mask, args.arrival_split = "bias,bool", "yes,no"
         args.prompt_tokens, args.eval_docs, args.mc_num, args.eval_batch_size = 8, 10, 2, 8
         args.batches, args.new_tokens, args.arrivals, args.arrival_every = "2,4", 16, 4, 2
     if args.compile is None:
@@ -786,7 +812,8 @@ def main():
               "| forwards | graph captures in the run | vs all at once | tokens = generate |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in report["core"]:
-            print(f"| {r['setting']} | {r['engine_mask']} | {r['batch']} | {r['arrival']} | {r.get('generate_tok_s', '-')} | "
+            arrival = r["arrival"] + (f" (split {r['split_attention']})" if "split_attention" in r else "")
+            print(f"| {r['setting']} | {r['engine_mask']} | {r['batch']} | {arrival} | {r.get('generate_tok_s', '-')} | "
                   f"{r['engine_tok_s']} | {r.get('ratio', '-')} | {r['engine_steps']} | {r['forwards']} | "
                   f"{r['captures_in_timed_run']} | {r.get('ratio_to_all_at_once', '-')} | "
                   f"{r.get('tokens_equal_to_generate', '-')} |")

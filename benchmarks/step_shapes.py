@@ -66,7 +66,7 @@ class CountedGraph:
     """CPU stand-in for `CapturedStep` (a CUDA graph): inputs copied into buffers made at capture, then the forward
     (a real graph replays its kernels without calling Dynamo again); the engine counts the captures."""
 
-    def __init__(self, forward, tensors, fixed):
+    def __init__(self, forward, tensors, fixed, pool=None):
         self.forward, self.fixed = forward, fixed
         self.inputs = {name: None if t is None else t.clone() for name, t in tensors.items()}
 
@@ -84,14 +84,20 @@ class WorkCounter:
         self.call, self.totals = call, dict.fromkeys(("tokens", "real_tokens", "pairs", "real_pairs"), 0)
 
     def __call__(self, graphs, forward, tensors, **fixed):
-        mask, slots = tensors["mask"], tensors["token_slot"]  # (rows, 1, Q, K), (T,)
+        import torch
+
+        slots = tensors["token_slot"]  # (T,)
         real = slots != fixed["keys"][0].shape[1] - 1  # not the trash slot
-        rows, qpos = tensors["token_row"][real], tensors["token_qpos"][real]
+        masks = [m for m in (tensors["mask"], tensors.get("long_mask")) if m is not None]  # (rows, 1, Q, K) each
+        out = tensors.get("token_out")  # a split step: the tokens' places in the two calls' (rows x Q) laid end to end
+        if out is None:
+            out = tensors["token_row"] * masks[0].shape[2] + tensors["token_qpos"]
         self.totals["tokens"] += slots.numel()
         self.totals["real_tokens"] += int(real.sum())
-        self.totals["pairs"] += mask.shape[0] * mask.shape[2] * mask.shape[3]
-        allowed = mask == 0 if mask.dtype.is_floating_point else mask  # an additive bias or a boolean mask
-        self.totals["real_pairs"] += int(allowed[rows, 0, qpos].sum())
+        self.totals["pairs"] += sum(m.shape[0] * m.shape[2] * m.shape[3] for m in masks)
+        # an additive bias or a boolean mask: the keys each (row, query) sees
+        seen = torch.cat([(m == 0 if m.dtype.is_floating_point else m).sum(-1).flatten() for m in masks])
+        self.totals["real_pairs"] += int(seen[out[real]].sum())
         return self.call(graphs, forward, tensors, **fixed)
 
 

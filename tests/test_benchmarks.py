@@ -38,6 +38,13 @@ def _serving_parts(out: Path, stdout: str):
     batch1 = report["float8"]
     assert batch1["bf16_fused_tokens_equal_to_bf16"] == 1.0 and batch1["bf16_fused_tok_s"] > 0, batch1
     assert (out / batch1["bf16_fused_profile"]["table"]).exists() and len(report["profile"]) == 2, report["profile"]
+    # the arrivals with the engine's two-call attention and with one padded call (a same-machine comparison)
+    arrivals = [r for r in report["core"] if r["arrival"] != "all at once"]
+    assert sorted((r["setting"], r["split_attention"]) for r in arrivals) == [
+        (setting, split) for setting in ("one token per step", "threshold 0.9") for split in ("no", "yes")], arrivals
+    assert all(r["engine_tok_s"] > 0 and r["forwards"] == r["engine_steps"] for r in arrivals), arrivals
+    # the repeated runs decode the same tokens (graphs replayed from one shared memory pool on the GPU)
+    assert all(run["tokens_equal_to_previous_run"] == 1.0 for r in arrivals for run in r["runs"]), arrivals
     rows = report["serve"]
     assert {(r["clients_in"], r["stream"]) for r in rows} == {(w, s) for w in ("process", "thread") for s in (True, False)}
     assert all(r["output_tokens_per_s"] > 0 and r["engine_steps"] > 0 for r in rows), rows

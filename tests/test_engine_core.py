@@ -499,3 +499,42 @@ def test_a_step_by_lane_puts_row_r_on_lane_r_and_attends_to_a_view_of_the_storag
     torch.testing.assert_close(by_view, gathered, rtol=0, atol=0)
     with pytest.raises(ValueError, match="a lane of its own"):
         RaggedStep(storage, [1, 1], [0, 0], [1, 1], [8, 8], by_lane=True)
+
+
+def test_a_step_mixing_a_block_start_with_windows_attends_in_two_calls_without_padding_the_windows():
+    # hand layout: lane 2 refreshes its whole canvas (24 queries), lanes 0, 1 and 3 query 4-token windows, all
+    # against 24 keys. One call pads every row to 24 queries (4 x 24 x 24 = 2304 pairs); two calls compute
+    # 4 x 4 x 24 + 1 x 24 x 24 = 960 (<= half): lane 2 is the long row, a filler row of the short call
+    from hf_dlm.generation.slot_cache import RaggedKV, RaggedStep, SlotStorage, long_rows
+
+    assert long_rows([24, 4, 4, 4], [24] * 4, buckets=False) == [0]
+    assert long_rows([24, 20, 4, 4], [24] * 4, buckets=False) == []  # 4x20x24 + 2x24x24 > half of 4x24x24
+    storage = SlotStorage(torch.device("cpu"), 0, round_to=8)
+    storage.reserve(4, 24)
+    lengths, starts = [4, 4, 24, 4], [16, 16, 0, 16]
+    step = RaggedStep(storage, [0, 1, 2, 3], starts, lengths, [24] * 4, by_lane=True)
+    tensors = step.tensors
+    assert tensors["short_index"].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [0] * 4, [32, 33, 34, 35]]
+    assert tensors["long_index"].tolist() == [list(range(8, 32))] and tensors["long_lanes"].tolist() == [2]
+    assert tuple(tensors["mask"].shape) == (4, 1, 4, 24) and tuple(tensors["long_mask"].shape) == (1, 1, 24, 24)
+    assert not tensors["mask"][2, 0, :, 1:].any() and tensors["mask"][[0, 1, 3]].all() and tensors["long_mask"].all()
+    # outputs laid end to end, (4 rows x 4) then (1 x 24): the windows' tokens at 4 r + q, lane 2's at 16 + q
+    assert tensors["token_out"].tolist() == [4 * r + q for r in (0, 1) for q in range(4)] + [16 + q for q in range(24)] \
+        + [12 + q for q in range(4)]
+    # attention equals softmax(q k / sqrt) v by hand, row by row (grouped queries: 2 heads on 1 kv head)
+    torch.manual_seed(0)
+    keys, values = torch.randn(4, 25, 1, 8), torch.randn(4, 25, 1, 8)
+    module = type("Attention", (), {"layer_idx": 0, "scaling": 8 ** -0.5})()
+    query = torch.randn(1, 2, 36, 8)
+    index = {name: tensors[name] for name in ("token_lane", "token_slot", "token_row", "token_qpos", "q_index",
+                                             "short_index", "long_index", "long_lanes", "long_mask", "token_out")}
+    output = RaggedKV([keys], [values], **index, mask=tensors["mask"], lanes=None).attention(module, query)[0]
+    first = 0
+    for lane, count in enumerate(lengths):
+        q = query[0, :, first : first + count]  # (2, count, 8)
+        weights = torch.softmax(q @ keys[lane, :24, 0].T * 8 ** -0.5, -1)
+        expected = (weights @ values[lane, :24, 0]).transpose(0, 1)  # (count, 2, 8)
+        torch.testing.assert_close(output[first : first + count], expected, rtol=1e-5, atol=1e-5)
+        first += count
+    unsplit = RaggedStep(storage, [0, 1, 2, 3], starts, lengths, [24] * 4, by_lane=True, split=False)
+    assert unsplit.tensors["long_index"] is None and tuple(unsplit.tensors["mask"].shape) == (4, 1, 24, 24)

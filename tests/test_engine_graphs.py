@@ -44,6 +44,7 @@ def test_preallocated_storage_captures_each_shape_once_in_a_long_run(monkeypatch
     captures = emulate_step_graphs(monkeypatch)
     engine, cases, before_twin = long_run(model, preallocate)
     shapes, replays = [graph.shapes for graph in captures], sum(graph.replays for graph in captures)
+    pools = [graph.pool for graph in captures]  # before generate below captures graphs of its own
     for ids, options, request in cases:  # replays read the storage the rows live in
         out = model.generate(torch.tensor([ids]), **options)
         assert request.generated == out[0, len(ids):].tolist(), options
@@ -51,6 +52,8 @@ def test_preallocated_storage_captures_each_shape_once_in_a_long_run(monkeypatch
     assert engine.stats["graph_captures"] == len(shapes)  # /metrics' hf_dlm_graph_captures_total
     if preallocate:
         assert len(set(shapes)) == len(shapes)  # every shape captured once
+        # one memory pool for all of them (a pool each held 21 GiB for 60 shapes of the 8B engine on an H100)
+        assert pools[0] is not None and all(pool is pools[0] for pool in pools)
         assert len(shapes) == before_twin  # the twin replays the first row's graphs
         assert (engine.storage.lanes, engine.storage.capacity) == (3, 128)  # 96 rounded up to 64s, never grown
     else:  # the storage grew (more lanes, longer canvases): shapes seen before were captured again

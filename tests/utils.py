@@ -105,8 +105,8 @@ class EmulatedGraph:
 
     captures: list = []
 
-    def __init__(self, forward, tensors, fixed):
-        self.forward, self.fixed = forward, fixed
+    def __init__(self, forward, tensors, fixed, pool=None):
+        self.forward, self.fixed, self.pool = forward, fixed, pool
         self.inputs = {name: None if t is None else t.clone() for name, t in tensors.items()}
         self.replays = 0
         EmulatedGraph.captures.append(self)
@@ -130,6 +130,7 @@ def emulate_step_graphs(monkeypatch) -> list:
 
     EmulatedGraph.captures = []
     monkeypatch.setattr(compiled_step, "CapturedStep", EmulatedGraph)
+    monkeypatch.setattr(compiled_step.torch.cuda, "graph_pool_handle", object)  # a CUDA build's pool handle
     init = compiled_step.StepGraphs.__init__
     monkeypatch.setattr(compiled_step.StepGraphs, "__init__", lambda self, model, enabled: init(self, model, True))
     return EmulatedGraph.captures

@@ -71,6 +71,52 @@ def bucket(n: int) -> int:
     return -(-n // step) * step
 
 
+def _query_index(offsets: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """(rows, width): packed index of each row's queries (rows start at `offsets`); padding columns read token 0
+    (their outputs are never used)."""
+    columns = torch.arange(width).unsqueeze(0)
+    return torch.where(columns < lengths.unsqueeze(1), offsets.unsqueeze(1) + columns, 0)
+
+
+def _attention_mask(key_lengths: torch.Tensor, starts: torch.Tensor, queries: int, longest: int, storage: SlotStorage,
+                    mode: str, block_size: int | None, buckets: bool, mask_dtype: torch.dtype | None) -> torch.Tensor:
+    """(rows, 1, queries, K) on the device: row r's query q (canvas slot starts[r] + q) sees slots < key_lengths[r]
+    (as `mode` allows). K: the slots up to the longest key length (bucketed), not the whole storage: a storage
+    preallocated for the model's positions costs no attention beyond what the rows hold; the trash slot never."""
+    key_count = min(bucket(longest) if buckets else longest, storage.capacity + 1)
+    key_slot = torch.arange(key_count, device=storage.device).view(1, 1, -1)
+    allowed = key_slot < key_lengths.view(-1, 1, 1)  # (rows, 1, K)
+    query_position = (starts.unsqueeze(1) + torch.arange(queries, device=storage.device)).unsqueeze(-1)
+    if mode == "causal":
+        allowed = allowed & (key_slot <= query_position)
+    elif mode == "block":
+        allowed = allowed & (key_slot // block_size <= query_position // block_size)
+    allowed = allowed.expand(key_lengths.shape[0], queries, -1).unsqueeze(1)
+    return allowed if mask_dtype is None else additive_mask(allowed, mask_dtype)
+
+
+SPLIT_GAIN = 0.5  # split when the two calls' query-key pairs are at most half of one padded call's
+
+
+def long_rows(lengths: list[int], key_lengths: list[int], buckets: bool) -> list[int]:
+    """The rows that attend in a call of their own: those querying more than a cut, where the two calls (every row
+    at the short width, the long rows at the full width) compute at most `SPLIT_GAIN` of the query-key pairs of one
+    call padding every row to the longest. A step mixing 4 block starts (320 queries) with 28 windows (32) computes
+    0.22 of the pairs (why hand-written: SDPA pads a batch to its longest row; a varlen kernel would read packed
+    keys, where the engine's keys sit in per-lane storage)."""
+    size = bucket if buckets else (lambda n: max(n, 1))
+    rows, widest = len(lengths), max(lengths)
+    best, chosen = SPLIT_GAIN * rows * size(widest) * size(max(key_lengths)), []
+    for cut in sorted(set(lengths) - {widest, 0}):  # 0: the filler rows
+        long = [i for i, n in enumerate(lengths) if n > cut]
+        short_keys = max([k for n, k in zip(lengths, key_lengths) if n <= cut])
+        count = max(bucket(len(long)), 2) if buckets else len(long)
+        pairs = rows * size(cut) * size(short_keys) + count * size(widest) * size(max(key_lengths[i] for i in long))
+        if pairs <= best:
+            best, chosen = pairs, long
+    return chosen
+
+
 class RaggedStep:
     """The plan of one engine forward. Rows r = 0..b-1 each query their canvas slots [start_r, start_r + length_r)
     on lane `lanes[r]`, against keys [0, key_length_r). `tensors` holds the device indices `ragged_forward`
@@ -83,7 +129,7 @@ class RaggedStep:
     def __init__(self, storage: SlotStorage, lanes: list[int], starts: list[int], lengths: list[int],
                  key_lengths: list[int], mode: str = "bidirectional", block_size: int | None = None,
                  buckets: bool = False, heads: list[tuple[int, int]] | None = None, extra: dict | None = None,
-                 mask_dtype: torch.dtype | None = None, by_lane: bool = False):
+                 mask_dtype: torch.dtype | None = None, by_lane: bool = False, split: bool = True):
         """heads: per row (first canvas slot, count) whose hidden states go through the LM head ->
         tensors["head_index"] (rows, max count), later columns repeating the last; extra: per-row integer lists
         sent to the device with the rest (one host-to-device copy per step). mask_dtype: the mask as an additive
@@ -93,7 +139,10 @@ class RaggedStep:
         by_lane: row r is lane r (lanes unique; the lanes between without work are filler rows), so that attention
         reads the storage's first rows as a view (`tensors["lanes"]` None) where gathering the rows' lanes copied
         every layer's keys / values (11% of a batch-64 LLaDA-8B step on the H100, benchmarks/RESULTS.md);
-        the LM head's rows stay the given rows, in their order (bucketed): idle lanes cost no LM-head columns."""
+        the LM head's rows stay the given rows, in their order (bucketed): idle lanes cost no LM-head columns.
+
+        split: rows with many queries (a block start's whole canvas) beside rows querying a window attend in a
+        second call (`long_rows`), so the window rows' queries are not padded to the canvas width."""
         # the LM head's rows: the given rows, in their order, each read through its place among the step's rows
         head_places, head_starts = list(range(len(lanes))), list(starts)
         if by_lane:
@@ -129,11 +178,32 @@ class RaggedStep:
         slot = torch.cat([slot, torch.full((padding,), storage.trash)])
         lane = torch.tensor(lanes)[row]
         # (rows, Q) -> packed token index; padding queries read token 0 (their outputs are never used)
-        q_valid = torch.arange(width).unsqueeze(0) < lengths_t.unsqueeze(1)
-        q_index = torch.where(q_valid, offsets.unsqueeze(1) + torch.arange(width).unsqueeze(0), 0)
+        q_index = _query_index(offsets, lengths_t, width)
+        key_lengths = key_lengths + [1] * filler
         parts = {"token_lane": lane, "token_slot": slot, "token_row": row, "token_qpos": qpos, "q_index": q_index,
-                 "lanes": torch.tensor(lanes), "key_lengths": torch.tensor(key_lengths + [1] * filler),
-                 "starts": torch.tensor(starts)}
+                 "lanes": torch.tensor(lanes), "key_lengths": torch.tensor(key_lengths), "starts": torch.tensor(starts)}
+        long = long_rows(lengths_t.tolist(), key_lengths, buckets) if split else []
+        if long:  # group 0: every row, the long ones as filler (no queries, slot 0); group 1: the long rows
+            is_long = torch.zeros(rows, dtype=torch.bool)
+            is_long[long] = True
+            short_lengths = lengths_t.masked_fill(is_long, 0)
+            short_width = max(int(short_lengths.max()), 1)
+            short_width = bucket(short_width) if buckets else short_width
+            count = max(bucket(len(long)), 2) if buckets else len(long)  # filler long rows repeat the first
+            long_all = long + [long[0]] * (count - len(long))
+            long_lengths = lengths_t[long_all].masked_fill(torch.arange(count) >= len(long), 0)
+            parts["key_lengths"] = torch.tensor(key_lengths).masked_fill(is_long, 1)
+            parts["short_index"] = _query_index(offsets, short_lengths, short_width)
+            parts["long_index"] = _query_index(offsets[long_all], long_lengths, width)
+            parts["long_lanes"] = torch.tensor(lanes)[long_all]
+            parts["long_key_lengths"] = torch.tensor([key_lengths[i] for i in long_all]).masked_fill(
+                torch.arange(count) >= len(long), 1)
+            parts["long_starts"] = torch.tensor([starts[i] for i in long_all])
+            # the packed tokens' places in the two calls' outputs laid end to end: (rows, Qs) then (count, Q)
+            place = torch.zeros(rows, dtype=torch.long)
+            place[long] = torch.arange(len(long))
+            parts["token_out"] = torch.where(is_long[row], rows * short_width + place[row] * width + qpos,
+                                             row * short_width + qpos)
         if heads is not None:
             first = torch.tensor([h[0] for h in heads]) - torch.tensor(head_starts) + offsets[head_places]
             count = torch.tensor([h[1] for h in heads])
@@ -149,18 +219,16 @@ class RaggedStep:
         for name, t in parts.items():
             tensors[name] = flat[at : at + t.numel()].view(t.shape)
             at += t.numel()
-        # keys: the slots up to the longest row's key length (bucketed), not the whole storage: a storage
-        # preallocated for the model's positions costs no attention beyond what the rows hold
-        key_count = min(bucket(max(key_lengths)) if buckets else max(key_lengths), storage.capacity + 1)
-        key_slot = torch.arange(key_count, device=storage.device).view(1, 1, -1)
-        allowed = key_slot < tensors.pop("key_lengths").view(-1, 1, 1)  # (rows, 1, K): the trash slot never
-        query_position = (tensors.pop("starts").unsqueeze(1) + torch.arange(width, device=storage.device)).unsqueeze(-1)
-        if mode == "causal":
-            allowed = allowed & (key_slot <= query_position)
-        elif mode == "block":
-            allowed = allowed & (key_slot // block_size <= query_position // block_size)
-        allowed = allowed.expand(rows, width, -1).unsqueeze(1)  # (rows, 1, Q, K)
-        tensors["mask"] = allowed if mask_dtype is None else additive_mask(allowed, mask_dtype)
+        longest_short = int(parts["key_lengths"].max())
+        tensors["mask"] = _attention_mask(tensors.pop("key_lengths"), tensors.pop("starts"),
+                                          short_width if long else width, longest_short, storage, mode, block_size,
+                                          buckets, mask_dtype)
+        if long:
+            tensors["long_mask"] = _attention_mask(tensors.pop("long_key_lengths"), tensors.pop("long_starts"), width,
+                                                   int(parts["long_key_lengths"].max()), storage, mode, block_size,
+                                                   buckets, mask_dtype)
+        else:
+            tensors.update(short_index=None, long_index=None, long_lanes=None, long_mask=None, token_out=None)
         slots = tensors["token_slot"]
         tensors["positions"] = torch.where(slots == storage.trash, 0, slots).unsqueeze(0)  # (1, T) RoPE positions
         if by_lane:
@@ -177,10 +245,13 @@ class RaggedKV:
     attends = True
 
     def __init__(self, keys: list, values: list, token_lane, token_slot, token_row, token_qpos, q_index, mask, lanes,
-                 groups=None):
+                 groups=None, short_index=None, long_index=None, long_lanes=None, long_mask=None, token_out=None):
+        """short_index ... token_out: a split step's second call (`RaggedStep(split=True)`), else None."""
         self.keys, self.values = keys, values
         self.token_lane, self.token_slot, self.token_row, self.token_qpos = token_lane, token_slot, token_row, token_qpos
         self.q_index, self.mask, self.lanes = q_index, mask, lanes
+        self.short_index, self.long_index, self.long_lanes, self.long_mask = short_index, long_index, long_lanes, long_mask
+        self.token_out = token_out
         self._groups = groups
 
     @property
@@ -208,21 +279,34 @@ class RaggedKV:
 
     def attention(self, module, query: torch.Tensor, key=None, value=None) -> torch.Tensor:
         """query (1, nh, T, hd) -> attention output (1, T, nh, hd): per row against its lane's keys / values."""
-        width = self.mask.shape[-1]  # the step's K slots (`RaggedStep`)
         keys, values = self.storage_of(module.layer_idx)
-        if self.lanes is None:  # row r is lane r (`RaggedStep(by_lane=True)`): a view, no copy
-            rows = self.q_index.shape[0]
-            keys, values = keys[:rows, :width].transpose(1, 2), values[:rows, :width].transpose(1, 2)
-        else:
-            keys = keys[:, :width].index_select(0, self.lanes).transpose(1, 2)  # (b, nkv, K, hd)
-            values = values[:, :width].index_select(0, self.lanes).transpose(1, 2)
-        queries = query[0].transpose(0, 1)[self.q_index].transpose(1, 2)  # (b, nh, Q, hd)
-        if keys.shape[1] != queries.shape[1]:  # grouped-query attention
-            repeat = queries.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
-        output = torch.nn.functional.scaled_dot_product_attention(
-            queries, keys.to(queries.dtype), values.to(queries.dtype), attn_mask=self.mask, scale=module.scaling)
-        return output.transpose(1, 2)[self.token_row, self.token_qpos].unsqueeze(0)  # (1, T, nh, hd)
+        queries = query[0].transpose(0, 1)  # (T, nh, hd)
+        if self.long_index is None:
+            output = _attend(module, queries, keys, values, self.q_index, self.mask, self.lanes)
+            return output[self.token_row, self.token_qpos].unsqueeze(0)  # (1, T, nh, hd)
+        short = _attend(module, queries, keys, values, self.short_index, self.mask, self.lanes)
+        long = _attend(module, queries, keys, values, self.long_index, self.long_mask, self.long_lanes)
+        return torch.cat([short.flatten(0, 1), long.flatten(0, 1)])[self.token_out].unsqueeze(0)
+
+
+def _attend(module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor,
+            mask: torch.Tensor, lanes: torch.Tensor | None) -> torch.Tensor:
+    """One SDPA call: packed queries (T, nh, hd) laid out by `index` (b, Q) against lanes `lanes` of the storage
+    (None: the first b lanes, a view) -> (b, Q, nh, hd)."""
+    width = mask.shape[-1]  # the call's K slots (`RaggedStep`)
+    if lanes is None:  # row r is lane r (`RaggedStep(by_lane=True)`): a view, no copy
+        rows = index.shape[0]
+        keys, values = keys[:rows, :width].transpose(1, 2), values[:rows, :width].transpose(1, 2)
+    else:
+        keys = keys[:, :width].index_select(0, lanes).transpose(1, 2)  # (b, nkv, K, hd)
+        values = values[:, :width].index_select(0, lanes).transpose(1, 2)
+    queries = queries[index].transpose(1, 2)  # (b, nh, Q, hd)
+    if keys.shape[1] != queries.shape[1]:  # grouped-query attention
+        repeat = queries.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        queries, keys.to(queries.dtype), values.to(queries.dtype), attn_mask=mask, scale=module.scaling)
+    return output.transpose(1, 2)
 
 
 class _Allocating(RaggedKV):
@@ -244,11 +328,11 @@ class _Allocating(RaggedKV):
         return super().attention(module, query, key, value)
 
 
-def ragged_forward(model, input_ids, head_index, positions, mask, keys, values, token_lane, token_slot, token_row,
-                   token_qpos, q_index, lanes):
+def ragged_forward(model, input_ids, head_index, positions, mask, keys, values, **index):
     """One engine forward: packed queries (1, T) -> logits (b, W, V) at `head_index` (b, W) (packed indices).
-    keys / values: per layer, the storage (lanes, capacity + 1, nkv, hd), updated in place."""
-    cache = RaggedKV(keys, values, token_lane, token_slot, token_row, token_qpos, q_index, mask, lanes)
+    keys / values: per layer, the storage (lanes, capacity + 1, nkv, hd), updated in place; `index`: the rest of
+    `RaggedStep.tensors`."""
+    cache = RaggedKV(keys, values, mask=mask, **index)
     hidden_states = model.model.forward_window(input_ids, None, positions, mask, positions, cache)[0]
     return model.lm_head(hidden_states[head_index])
 
@@ -262,8 +346,9 @@ class _LayerKV(RaggedKV):
 
 
 def _ragged_layer(layer, hidden_states, position_embeddings, mask, keys, values, token_lane, token_slot, token_row,
-                  token_qpos, q_index, lanes, groups):
-    cache = _LayerKV(keys, values, token_lane, token_slot, token_row, token_qpos, q_index, mask, lanes, groups)
+                  token_qpos, q_index, lanes, groups, short_index, long_index, long_lanes, long_mask, token_out):
+    cache = _LayerKV(keys, values, token_lane, token_slot, token_row, token_qpos, q_index, mask, lanes, groups,
+                     short_index, long_index, long_lanes, long_mask, token_out)
     return layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings, kv_cache=cache)
 
 

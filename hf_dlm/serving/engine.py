@@ -233,6 +233,8 @@ class ContinuousBatchingEngine:
         # deferred on an asynchronous device only: on a CPU the next forward runs before the read, a step of latency
         self.defer_block_reads = self.device.type == "cuda"
         self.plan_key, self.plan = None, None  # the last step's RaggedStep: reused while no row changes its span
+        # a step mixing block starts (whole canvases) with windows attends in two calls (`RaggedStep(split=...)`)
+        self.split_attention = True
         self.captures = self.compile_choice not in (None, "eager") and self.device.type == "cuda"  # StepGraphs
         if preallocate if preallocate is not None else self.captures:
             if self.max_length is None:
@@ -429,7 +431,8 @@ class ContinuousBatchingEngine:
         if key != self.plan_key:
             self.plan_key, self.plan = key, RaggedStep(
                 self.storage, lanes, [s for s, _ in spans], [e - s for s, e in spans], lengths, self.attention_mode,
-                self.block_size, buckets=compiled, heads=heads, extra=extra, mask_dtype=self.mask_dtype, by_lane=True)
+                self.block_size, buckets=compiled, heads=heads, extra=extra, mask_dtype=self.mask_dtype, by_lane=True,
+                split=self.split_attention)
         step = self.plan
         tensors = dict(step.tensors)  # input_ids join per step
         token_row = tensors["token_row"]

@@ -617,7 +617,9 @@ def core_benchmark(model, args, report):
                    "arrival": f"one per {args.arrival_every} steps",
                    "engine_tok_s": round(tps, 1), "engine_steps": steps, "forwards": forwards,
                    "captures_in_timed_run": captures, "runs": runs,
-                   "ratio_to_all_at_once": None if all_at_once is None else round(tps / all_at_once, 3)}
+                   "ratio_to_all_at_once": None if all_at_once is None else round(tps / all_at_once, 3),
+                   "cuda_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 1) if torch.cuda.is_available()
+                   else None}
             report["core"].append(row)
             print(json.dumps(row), flush=True)
             dump(report, args)

@@ -59,6 +59,8 @@ def parse_args():
     p.add_argument("--arrival-split", default="yes", help="the arrivals runs, comma-separated: yes (a step mixing "
                    "block starts with windows attends in two calls, the engine's default), no (one call padding "
                    "every row to the widest)")
+    p.add_argument("--arrival-graph-pool", default="shared", help="the arrivals runs, comma-separated: shared (one "
+                   "memory pool for the engine's CUDA graphs, the default), own (a pool per graph)")
     p.add_argument("--compile", default=None, help="'true' (default; 'none' with --tiny), 'none' or a "
                    "DLMGenerationConfig.compile value")
     p.add_argument("--float8-weights", default="bf16,float8", help="the float8 part's runs, in this order: bf16, "
@@ -510,9 +512,13 @@ def core_benchmark(model, args, report):
     if set(masks) - {"bias", "bool"}:
         raise SystemExit(f"--engine-mask: unknown {sorted(set(masks) - {'bias', 'bool'})} (choose from bias, bool)")
 
-    splits = args.arrival_split.split(",")
+    splits, pools = args.arrival_split.split(","), args.arrival_graph_pool.split(",")
     if set(splits) - {"yes", "no"}:
         raise SystemExit(f"--arrival-split: unknown {sorted(set(splits) - {'yes', 'no'})} (choose from yes, no)")
+    if set(pools) - {"shared", "own"}:
+        raise SystemExit(f"--arrival-graph-pool: unknown {sorted(set(pools) - {'shared', 'own'})} (choose from "
+                         "shared, own)")
+    variants = [(split, pool) for split in splits for pool in pools]
 
     def new_engine(mask, split="yes"):  # an engine per variant: its plans and captured graphs hold the variant's
         made = ContinuousBatchingEngine(model, max_batch_size=max(batches + [args.arrivals]), max_waiting=4096,
@@ -523,6 +529,12 @@ def core_benchmark(model, args, report):
         return made
 
     engine = new_engine(masks[0], splits[0])  # kept: the arrivals and the profiles
+
+    def same_share(requests, tokens):
+        """The share of the requests' generated tokens equal to `tokens` (per request, in order)."""
+        same = sum(a == b for r, before in zip(requests, tokens) for a, b in zip(r.generated, before))
+        return round(same / sum(map(len, tokens)), 4)
+
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab - 3, (max(batches + [args.arrivals]), args.prompt_tokens), generator=generator)
     rules = {"one": ("one token per step", dict(steps=args.new_tokens)),
@@ -593,31 +605,41 @@ def core_benchmark(model, args, report):
         # A shape is captured the second time it is seen, and this schedule has shapes that occur once per run:
         # runs repeat until one captures nothing (a server in its steady state), at most `ARRIVAL_RUNS`; each
         # run's figures are kept (the first run after the warm-up is what a server's second such burst sees).
-        for split in splits:
-            if split != splits[0]:  # the kept engine's graphs go (it recaptures for the profiles)
+        first_tokens = {}  # split -> the tokens of its first variant's last run
+        for number, (split, pool) in enumerate(variants):
+            if number:  # the kept engine's graphs go (it recaptures for the profiles)
                 engine.graphs = engine.graphs_storage = None
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-            variant = engine if split == splits[0] else new_engine(masks[0], split)
-            named = "" if len(splits) == 1 else f" (split {split})"
-            log(f"{label}, arrivals{named}: engine warm-up")
-            engine_run(args.arrivals, args.arrival_every, engine=variant)
-            runs, previous = [], [list(r.generated) for r in last_requests]
-            while len(runs) < ARRIVAL_RUNS and (not runs or runs[-1]["captures"]):
-                log(f"{label}, arrivals{named}: engine run {len(runs) + 1}")
-                tps, steps, forwards, captures = engine_run(args.arrivals, args.arrival_every, engine=variant)
-                # the same requests as the run before (captured graphs replayed instead of plain steps): a replay
-                # reading memory another graph overwrote would change them
-                same = sum(a == b for r, before in zip(last_requests, previous) for a, b in zip(r.generated, before))
-                runs.append({"engine_tok_s": round(tps, 1), "captures": captures,
-                             "tokens_equal_to_previous_run": round(same / sum(map(len, previous)), 4)})
-                previous = [list(r.generated) for r in last_requests]
-            row = {"setting": label, "engine_mask": masks[0], "split_attention": split, "batch": args.arrivals,
-                   "arrival": f"one per {args.arrival_every} steps",
+            variant = engine if not number else new_engine(masks[0], split)
+            named = "" if len(variants) == 1 else f" (split {split}, graph pool {pool})"
+            # own: each captured graph its own memory pool (the engine's form before 2026-12-07)
+            handle = torch.cuda.graph_pool_handle
+            if pool == "own":
+                torch.cuda.graph_pool_handle = lambda: None
+            try:
+                log(f"{label}, arrivals{named}: engine warm-up")
+                engine_run(args.arrivals, args.arrival_every, engine=variant)
+                runs, previous = [], [list(r.generated) for r in last_requests]
+                while len(runs) < ARRIVAL_RUNS and (not runs or runs[-1]["captures"]):
+                    log(f"{label}, arrivals{named}: engine run {len(runs) + 1}")
+                    tps, steps, forwards, captures = engine_run(args.arrivals, args.arrival_every, engine=variant)
+                    # the same requests as the run before (captured graphs replayed instead of plain steps): a replay
+                    # reading memory another graph overwrote would change them
+                    runs.append({"engine_tok_s": round(tps, 1), "captures": captures,
+                                 "tokens_equal_to_previous_run": same_share(last_requests, previous)})
+                    previous = [list(r.generated) for r in last_requests]
+            finally:
+                torch.cuda.graph_pool_handle = handle
+            first_tokens.setdefault(split, previous)
+            row = {"setting": label, "engine_mask": masks[0], "split_attention": split, "graph_pool": pool,
+                   "batch": args.arrivals, "arrival": f"one per {args.arrival_every} steps",
                    "engine_tok_s": round(tps, 1), "engine_steps": steps, "forwards": forwards,
                    "captures_in_timed_run": captures, "runs": runs,
                    "ratio_to_all_at_once": None if all_at_once is None else round(tps / all_at_once, 3),
+                   # the last runs replay graphs only: the variants of one split decode the same tokens
+                   "tokens_equal_to_first_variant": same_share(last_requests, first_tokens[split]),
                    "cuda_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 1) if torch.cuda.is_available()
                    else None}
             report["core"].append(row)
@@ -785,7 +807,7 @@ def main():
         args.clients, args.max_tokens, args.block_length, args.steps = "1,4", 8, 4, 4
         args.clients_in, args.switch_intervals = "process,thread", "0.001"
         args.fuse_projections, args.profile_steps, args.profile_skip = "no,yes", 2, 1
-        args.engine_mask, args.arrival_split = "bias,bool", "yes,no"
+        args.engine_mask, args.arrival_split, args.arrival_graph_pool = "bias,bool", "yes,no", "shared,own"
         args.prompt_tokens, args.eval_docs, args.mc_num, args.eval_batch_size = 8, 10, 2, 8
         args.batches, args.new_tokens, args.arrivals, args.arrival_every = "2,4", 16, 4, 2
     if args.compile is None:

@@ -40,8 +40,10 @@ def _serving_parts(out: Path, stdout: str):
     assert (out / batch1["bf16_fused_profile"]["table"]).exists() and len(report["profile"]) == 2, report["profile"]
     # the arrivals with the engine's two-call attention and with one padded call (a same-machine comparison)
     arrivals = [r for r in report["core"] if r["arrival"] != "all at once"]
-    assert sorted((r["setting"], r["split_attention"]) for r in arrivals) == [
-        (setting, split) for setting in ("one token per step", "threshold 0.9") for split in ("no", "yes")], arrivals
+    assert sorted((r["setting"], r["split_attention"], r["graph_pool"]) for r in arrivals) == [
+        (setting, split, pool) for setting in ("one token per step", "threshold 0.9") for split in ("no", "yes")
+        for pool in ("own", "shared")], arrivals
+    assert all(r["tokens_equal_to_first_variant"] == 1.0 for r in arrivals), arrivals
     assert all(r["engine_tok_s"] > 0 and r["forwards"] == r["engine_steps"] for r in arrivals), arrivals
     # the repeated runs decode the same tokens (graphs replayed from one shared memory pool on the GPU)
     assert all(run["tokens_equal_to_previous_run"] == 1.0 for r in arrivals for run in r["runs"]), arrivals

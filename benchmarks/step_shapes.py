@@ -111,6 +111,7 @@ def main():
 
     args = parse_args()
     compiled_step.CapturedStep = CountedGraph
+    torch.cuda.graph_pool_handle = object  # a CPU build has no CUDA pool handle (`CountedGraph` ignores it)
     work = WorkCounter(compiled_step.StepGraphs.__call__)
     compiled_step.StepGraphs.__call__ = lambda graphs, forward, tensors, **fixed: work(graphs, forward, tensors, **fixed)
     model = stand_in_model(args)

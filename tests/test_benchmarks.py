@@ -71,8 +71,19 @@ def _compile_time_split(out: Path, stdout: str):
     assert "function calls" in stdout and "Ordered by: internal time" in stdout, stdout[-2000:]
 
 
+def _step_shapes(out: Path, stdout: str):
+    # the engine's steps go through the captured path (`CountedGraph` standing in for the CUDA graphs): the arrivals'
+    # shapes are captured in the first runs and replayed in the last
+    runs = json.loads((out / "step_shapes.json").read_text())["runs"]
+    arrivals = [run for run in runs if run["schedule"] != "all at once"]
+    assert arrivals[0]["shapes_seen"] > 1 and arrivals[0]["captures"] > 0, runs
+    assert arrivals[-1]["captures"] < arrivals[1]["captures"], runs
+    assert all(run["attention_padding"] >= 1.0 and run["token_padding"] >= 1.0 for run in runs), runs
+
+
 # what a script's --tiny output must hold beyond its exit status
-CHECKS = {"serving_throughput.py": _serving_parts, "engine_compile_time.py": _compile_time_split}
+CHECKS = {"serving_throughput.py": _serving_parts, "engine_compile_time.py": _compile_time_split,
+          "step_shapes.py": _step_shapes}
 
 
 @pytest.mark.parametrize("name,options", [(name, ()) for name in SCRIPTS] + EXTRA_RUNS)

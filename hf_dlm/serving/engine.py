@@ -43,6 +43,11 @@ from ..utils.errors import FieldError
 logger = logging.getLogger(__name__)
 
 
+# seconds kept between a late admission and the device's end of the step before: waking from the wait takes the
+# GIL back from the event loop (up to sys.getswitchinterval(), 5 ms by default, when the loop is busy)
+LATE_ADMISSION_SLACK = 0.003
+
+
 class QueueFullError(RuntimeError):
     """The engine's waiting queue is full (the server answers 429)."""
 
@@ -235,6 +240,11 @@ class ContinuousBatchingEngine:
         self.plan_key, self.plan = None, None  # the last step's RaggedStep: reused while no row changes its span
         # a step mixing block starts (whole canvases) with windows attends in two calls (`RaggedStep(split=...)`)
         self.split_attention = True
+        # the background loop admits for the next step as late as the device allows (`_admission_deadline`)
+        self.late_admission = True
+        self._synced = None  # (engine step, time) of the last read that waited for the device
+        self._step_times: deque[float] = deque(maxlen=8)  # device seconds per step: between reads one step apart
+        self._leads: deque[float] = deque(maxlen=16)  # host seconds from a step's start to its forward queued
         self.captures = self.compile_choice not in (None, "eager") and self.device.type == "cuda"  # StepGraphs
         if preallocate if preallocate is not None else self.captures:
             if self.max_length is None:
@@ -245,7 +255,7 @@ class ContinuousBatchingEngine:
         self.stats = {"forward_passes": 0, "forward_rows": 0, "forward_tokens": 0, "max_forward_rows": 0,
                       "engine_steps": 0, "requests_admitted": 0, "requests_finished": 0, "requests_failed": 0,
                       "requests_cancelled": 0, "generated_tokens": 0, "first_block_seconds_sum": 0.0,
-                      "first_block_count": 0, "graph_captures": 0, "step_seconds": 0.0}
+                      "first_block_count": 0, "graph_captures": 0, "step_seconds": 0.0, "admission_wait_seconds": 0.0}
 
     def sampling_params(self, **overrides) -> SamplingParams:
         return self.sampling_params_for(self.model, **overrides)
@@ -360,6 +370,7 @@ class ContinuousBatchingEngine:
             self.stats["step_seconds"] += time.perf_counter() - start
 
     def _step(self):
+        start = time.perf_counter()
         for row in [row for row in self.running if row.request.cancelled]:
             self._finish(row, "cancelled")
         self._admit()
@@ -373,6 +384,7 @@ class ContinuousBatchingEngine:
                     self._finish(row, "error", error)
             else:
                 self._commit(work, logits)
+                self._leads.append(time.perf_counter() - start)
         # the previous step's block ends are read now, with this step's forward queued: the read waits for that
         # step's commit only, not for the device to drain (rows end blocks on staggered steps once requests arrive
         # apart, so reading at once would stall the device almost every step)
@@ -580,6 +592,10 @@ class ContinuousBatchingEngine:
         self.ended_blocks = None
         if event is not None:
             event.synchronize()
+            now, step = time.perf_counter(), self.stats["engine_steps"]
+            if self._synced is not None and self._synced[0] == step - 1:  # the device ran one step in between
+                self._step_times.append(now - self._synced[1])
+            self._synced = (step, now)
         for row, tokens, more_to_come, last in ended:
             request, params = row.request, row.params
             if request.finish_reason is not None:  # stopped at an earlier block, cancelled or failed
@@ -635,11 +651,43 @@ class ContinuousBatchingEngine:
                     self.lock.wait(timeout=0.5)
                 if self.stopping and not self.has_work():
                     return
+                self._wait_for_arrivals(self._admission_deadline())
             try:
                 self.step()
             except Exception as error:  # noqa: BLE001 (a bug in a callback must not hang every open request)
                 for row in list(self.running):
                     self._finish(row, "error", error)
+
+    def _free_lanes(self) -> int:
+        return self.max_batch_size - sum(len(row.lanes) for row in self.running)
+
+    def _admission_deadline(self) -> float | None:
+        """When the loop admits for the next step (time.perf_counter()), or None: at once.
+
+        The host queues a step while the device runs the one before, so a step's rows are chosen about a step ahead:
+        a request answered at the end of step N and back from its client during step N + 1 would join at N + 3 (its
+        lane idle two steps; on the H100 a closed-loop client's round trip was 0.01-0.06 s against 22-84 ms steps,
+        benchmarks/RESULTS.md). With lanes free and no request waiting for them, the loop admits for step N + 2 just
+        before the device ends N + 1: the read that waited for step N's end, plus the shortest recent step, less the
+        longest recent host lead (admission to forward queued) and `LATE_ADMISSION_SLACK`."""
+        if not (self.late_admission and self.running and self._synced is not None and self._step_times
+                and self._synced[0] == self.stats["engine_steps"] and self.defer_block_reads):
+            return None  # the last step did not wait for the device (nothing to time it by), or nothing runs
+        if len(self.waiting) >= self._free_lanes():
+            return None  # the free lanes are spoken for
+        return self._synced[1] + min(self._step_times) - max(self._leads, default=0.0) - LATE_ADMISSION_SLACK
+
+    def _wait_for_arrivals(self, deadline: float | None):
+        """With the lock held: wait until `deadline` while requests may still take free lanes (woken by `submit`)."""
+        if deadline is None:
+            return
+        start = time.perf_counter()
+        while not self.stopping and len(self.waiting) < self._free_lanes():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            self.lock.wait(timeout=left)
+        self.stats["admission_wait_seconds"] += time.perf_counter() - start
 
     def shutdown(self, timeout: float | None = None):
         """Take no new requests, finish every queued and running one, stop the loop."""

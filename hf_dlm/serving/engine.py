@@ -245,6 +245,7 @@ class ContinuousBatchingEngine:
         self._synced = None  # (engine step, time) of the last read that waited for the device
         self._step_times: deque[float] = deque(maxlen=8)  # device seconds per step: between reads one step apart
         self._leads: deque[float] = deque(maxlen=16)  # host seconds from a step's start to its forward queued
+        self._step_start = 0.0
         self.captures = self.compile_choice not in (None, "eager") and self.device.type == "cuda"  # StepGraphs
         if preallocate if preallocate is not None else self.captures:
             if self.max_length is None:
@@ -363,14 +364,13 @@ class ContinuousBatchingEngine:
     @torch.inference_mode()  # always: a compiled step guards on the grad mode (another mode recompiles the model)
     def step(self):
         """Release cancelled rows, admit, one forward for every row with work, commit, end blocks."""
-        start = time.perf_counter()
+        start = self._step_start = time.perf_counter()
         try:
             self._step()
         finally:  # wall time in steps (the commit waits for the device): against a run's wall, the engine's busy share
             self.stats["step_seconds"] += time.perf_counter() - start
 
     def _step(self):
-        start = time.perf_counter()
         for row in [row for row in self.running if row.request.cancelled]:
             self._finish(row, "cancelled")
         self._admit()
@@ -384,7 +384,6 @@ class ContinuousBatchingEngine:
                     self._finish(row, "error", error)
             else:
                 self._commit(work, logits)
-                self._leads.append(time.perf_counter() - start)
         # the previous step's block ends are read now, with this step's forward queued: the read waits for that
         # step's commit only, not for the device to drain (rows end blocks on staggered steps once requests arrive
         # apart, so reading at once would stall the device almost every step)
@@ -591,8 +590,10 @@ class ContinuousBatchingEngine:
         ended, event = self.ended_blocks
         self.ended_blocks = None
         if event is not None:
+            queued = time.perf_counter()  # the step's host work before it waits: admission, forward and commit queued
             event.synchronize()
             now, step = time.perf_counter(), self.stats["engine_steps"]
+            self._leads.append(queued - self._step_start)
             if self._synced is not None and self._synced[0] == step - 1:  # the device ran one step in between
                 self._step_times.append(now - self._synced[1])
             self._synced = (step, now)

@@ -540,6 +540,16 @@ def core_benchmark(model, args, report):
 
     engine = new_engine(masks[0], splits[0])  # kept: the arrivals and the profiles
 
+    def record(row):
+        report["core"].append(row)
+        print(json.dumps(row), flush=True)
+        dump(report, args)
+
+    def free_memory():  # what a variant's engine held (its storage, its graphs)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def same_share(requests, tokens):
         """The share of the requests' generated tokens equal to `tokens` (per request, in order)."""
         same = sum(a == b for r, before in zip(requests, tokens) for a, b in zip(r.generated, before))
@@ -600,14 +610,10 @@ def core_benchmark(model, args, report):
                        "generate_tok_s": round(generate_tps, 1), "engine_tok_s": round(engine_tps, 1),
                        "ratio": round(engine_tps / generate_tps, 3), "engine_steps": steps, "forwards": forwards,
                        "captures_in_timed_run": captures, "tokens_equal_to_generate": round(same, 4)}
-                report["core"].append(row)
-                print(json.dumps(row), flush=True)
-                dump(report, args)
+                record(row)
                 if variant is not engine:
                     del variant
-                    gc.collect()
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
+                    free_memory()
         if not args.arrivals:
             continue
         all_at_once = next((r["engine_tok_s"] for r in report["core"] if r["setting"] == label
@@ -619,9 +625,7 @@ def core_benchmark(model, args, report):
         for number, (split, pool) in enumerate(variants):
             if number:  # the kept engine's graphs go (it recaptures for the profiles)
                 engine.graphs = engine.graphs_storage = None
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                free_memory()
             variant = engine if not number else new_engine(masks[0], split)
             named = "" if len(variants) == 1 else f" (split {split}, graph pool {pool})"
             # own: each captured graph its own memory pool (the engine's form before 2026-12-07)
@@ -652,14 +656,10 @@ def core_benchmark(model, args, report):
                    "tokens_equal_to_first_variant": same_share(last_requests, first_tokens[split]),
                    "cuda_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 1) if torch.cuda.is_available()
                    else None}
-            report["core"].append(row)
-            print(json.dumps(row), flush=True)
-            dump(report, args)
+            record(row)
             if variant is not engine:
                 del variant
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                free_memory()
     if args.profile_steps:
         label, rule = rules[args.rules.split(",")[-1]]
         options = core_options(rule)

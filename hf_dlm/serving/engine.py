@@ -242,10 +242,11 @@ class ContinuousBatchingEngine:
         self.split_attention = True
         # the background loop admits for the next step as late as the device allows (`_admission_deadline`)
         self.late_admission = True
-        self._synced = None  # (engine step, time) of the last read that waited for the device
-        self._step_times: deque[float] = deque(maxlen=8)  # device seconds per step: between reads one step apart
+        self._synced = None  # (engine step, time) when the wait for the step before ended with the device busy
+        self._step_times: deque[float] = deque(maxlen=8)  # device seconds per step (CUDA events)
         self._leads: deque[float] = deque(maxlen=16)  # host seconds from a step's start to its forward queued
         self._step_start = 0.0
+        self._step_ends = deque(maxlen=2)  # the last steps' end events (late admission: the loop waits on each)
         self.captures = self.compile_choice not in (None, "eager") and self.device.type == "cuda"  # StepGraphs
         if preallocate if preallocate is not None else self.captures:
             if self.max_length is None:
@@ -387,12 +388,20 @@ class ContinuousBatchingEngine:
         # the previous step's block ends are read now, with this step's forward queued: the read waits for that
         # step's commit only, not for the device to drain (rows end blocks on staggered steps once requests arrive
         # apart, so reading at once would stall the device almost every step)
+        self._wait_for_step_before()
         self._read_block_ends()
         for row in list(self.running):
             while row in self.running and row.schedule.block_done():
                 self._end_block(row)
-        if self.ended_blocks is not None:
-            self.ended_blocks[1] = self._record_event()
+        pacing = self.late_admission and self.thread is not None and self.defer_block_reads
+        if self.ended_blocks is not None or pacing:
+            event = self._record_event()
+            if self.ended_blocks is not None:
+                self.ended_blocks[1] = event
+            if pacing:
+                self._step_ends.append(event)
+        if not pacing:
+            self._step_ends.clear()  # late admission off: no stale step ends when it comes back on
             if not self.running or not self.defer_block_reads:  # no forward left to overlap with
                 self._read_block_ends()
 
@@ -578,9 +587,26 @@ class ContinuousBatchingEngine:
     def _record_event(self):
         if self.device.type != "cuda":
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+    def _wait_for_step_before(self):
+        """Late admission (the server's loop on a GPU): with this step queued, wait for the device to end the step
+        before, so that the host runs one step ahead (not up to a block's steps) and knows when the device began
+        this one: `_synced`, unless the device was already done (the host was late: no anchor). The device's
+        step times come from the step-end events."""
+        if not self._step_ends or self._step_ends[-1] is None:
+            return
+        before = self._step_ends[-1]
+        queued = time.perf_counter()  # the step's host work: admission, forward and commit queued
+        busy = not before.query()
+        before.synchronize()
+        now = time.perf_counter()
+        self._leads.append(queued - self._step_start)
+        if len(self._step_ends) == 2 and self._step_ends[0] is not None:
+            self._step_times.append(self._step_ends[0].elapsed_time(before) / 1e3)
+        self._synced = (self.stats["engine_steps"], now) if busy else None
 
     def _read_block_ends(self):
         """The ended blocks' tokens: streamed (`on_block`), then `stop_on_eos` and the stop check; a row that
@@ -590,13 +616,7 @@ class ContinuousBatchingEngine:
         ended, event = self.ended_blocks
         self.ended_blocks = None
         if event is not None:
-            queued = time.perf_counter()  # the step's host work before it waits: admission, forward and commit queued
             event.synchronize()
-            now, step = time.perf_counter(), self.stats["engine_steps"]
-            self._leads.append(queued - self._step_start)
-            if self._synced is not None and self._synced[0] == step - 1:  # the device ran one step in between
-                self._step_times.append(now - self._synced[1])
-            self._synced = (step, now)
         for row, tokens, more_to_come, last in ended:
             request, params = row.request, row.params
             if request.finish_reason is not None:  # stopped at an earlier block, cancelled or failed
@@ -669,11 +689,12 @@ class ContinuousBatchingEngine:
         a request answered at the end of step N and back from its client during step N + 1 would join at N + 3 (its
         lane idle two steps; on the H100 a closed-loop client's round trip was 0.01-0.06 s against 22-84 ms steps,
         benchmarks/RESULTS.md). With lanes free and no request waiting for them, the loop admits for step N + 2 just
-        before the device ends N + 1: the read that waited for step N's end, plus the shortest recent step, less the
-        longest recent host lead (admission to forward queued) and `LATE_ADMISSION_SLACK`."""
+        before the device ends N + 1: when the wait for step N's end returned (`_wait_for_step_before`), plus the
+        shortest recent device step, less the longest recent host lead (admission to forward queued) and
+        `LATE_ADMISSION_SLACK`."""
         if not (self.late_admission and self.running and self._synced is not None and self._step_times
-                and self._synced[0] == self.stats["engine_steps"] and self.defer_block_reads):
-            return None  # the last step did not wait for the device (nothing to time it by), or nothing runs
+                and self._synced[0] == self.stats["engine_steps"]):
+            return None  # the last step found the device done (nothing to time it by), or nothing runs
         if len(self.waiting) >= self._free_lanes():
             return None  # the free lanes are spoken for
         return self._synced[1] + min(self._step_times) - max(self._leads, default=0.0) - LATE_ADMISSION_SLACK

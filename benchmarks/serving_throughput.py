@@ -61,9 +61,6 @@ def parse_args():
                    "every row to the widest)")
     p.add_argument("--arrival-graph-pool", default="shared", help="the arrivals runs, comma-separated: shared (one "
                    "memory pool for the engine's CUDA graphs, the default), own (a pool per graph)")
-    p.add_argument("--late-admission", default="yes", help="the HTTP part's levels, comma-separated: yes (the "
-                   "server's engine admits for the next step just before the device ends the one queued, the "
-                   "default), no (at once, a step ahead)")
     p.add_argument("--compile", default=None, help="'true' (default; 'none' with --tiny), 'none' or a "
                    "DLMGenerationConfig.compile value")
     p.add_argument("--float8-weights", default="bf16,float8", help="the float8 part's runs, in this order: bf16, "
@@ -317,11 +314,8 @@ def serve_benchmark(model, tokenizer, args, report):
         one = argparse.Namespace(**{**vars(args), "requests_per_client": 1})
         run_clients("thread", server.url, 2, one, vocab, 0)  # warm-up: kernels, allocator
         default_interval = sys.getswitchinterval()
-        lates = args.late_admission.split(",")
-        if set(lates) - {"yes", "no"}:
-            raise SystemExit(f"--late-admission: unknown {sorted(set(lates) - {'yes', 'no'})} (choose from yes, no)")
-        levels = [(int(c), where, float(si) or default_interval, late) for c in args.clients.split(",")
-                  for where in args.clients_in.split(",") for si in args.switch_intervals.split(",") for late in lates]
+        levels = [(int(c), where, float(si) or default_interval) for c in args.clients.split(",")
+                  for where in args.clients_in.split(",") for si in args.switch_intervals.split(",")]
 
         cpu = {}
 
@@ -336,8 +330,7 @@ def serve_benchmark(model, tokenizer, args, report):
                                                               zip(before, thread_cpu(server.thread, engine.thread)))))
 
         warmed, alone_runs = set(), {}
-        for seed, (clients, where, interval, late) in enumerate(levels, start=1):
-            engine.late_admission = late == "yes"
+        for seed, (clients, where, interval) in enumerate(levels, start=1):
             if clients not in warmed:
                 # an untimed level first: its arrival pattern's step shapes are captured as CUDA graphs at their
                 # second sight, as in a server that has run a while (the timed levels report the captures left)
@@ -345,16 +338,13 @@ def serve_benchmark(model, tokenizer, args, report):
                 level(clients, where, interval, 1000 + seed)
                 warmed.add(clients)
             for stream in (True, False):
-                log(f"http: {clients} clients in a {where}, switch interval {interval * 1e3:g} ms, late admission "
-                    f"{late}, stream={stream}")
+                log(f"http: {clients} clients in a {where}, switch interval {interval * 1e3:g} ms, stream={stream}")
                 served.clear()
-                waited = engine.stats["admission_wait_seconds"]
                 timings, wall, before, after = level(clients, where, interval, seed, stream)
                 row = http_row(clients, stream, timings, wall, before, after, alone, alone_runs, args, vocab, rng,
                                served)
                 row.update(clients_in=where, switch_interval_ms=round(interval * 1e3, 3), http_parser=parser,
-                           event_loop=type(app.state.server.loop).__module__.split(".")[0], late_admission=late,
-                           admission_wait_s=round(engine.stats["admission_wait_seconds"] - waited, 3))
+                           event_loop=type(app.state.server.loop).__module__.split(".")[0])
                 # CPU seconds of the server's event loop per request, of the engine thread per step, and of the rest
                 # of the server's process (worker threads, clients in a thread) per request
                 row.update(loop_cpu_ms_per_request=round(1e3 * cpu["loop"] / max(len(timings), 1), 3),
@@ -815,7 +805,7 @@ def main():
         print_stacks_every(args.stacks_every)
     if args.tiny:
         args.clients, args.max_tokens, args.block_length, args.steps = "1,4", 8, 4, 4
-        args.clients_in, args.switch_intervals, args.late_admission = "process,thread", "0.001", "yes,no"
+        args.clients_in, args.switch_intervals = "process,thread", "0.001"
         args.fuse_projections, args.profile_steps, args.profile_skip = "no,yes", 2, 1
         args.engine_mask, args.arrival_split, args.arrival_graph_pool = "bias,bool", "yes,no", "shared,own"
         args.prompt_tokens, args.eval_docs, args.mc_num, args.eval_batch_size = 8, 10, 2, 8
@@ -852,14 +842,13 @@ def main():
                   f"{r['captures_in_timed_run']} | {r.get('ratio_to_all_at_once', '-')} | "
                   f"{r.get('tokens_equal_to_generate', '-')} |")
     if report["serve"]:
-        print("| clients | in | switch ms | late admission (wait s) | stream | requests | requests/s | output tokens/s | engine alone tokens/s | HTTP / engine "
+        print("| clients | in | switch ms | stream | requests | requests/s | output tokens/s | engine alone tokens/s | HTTP / engine "
               "| first block mean / p50 / p90 (s) | latency (s) | rows/forward | graph captures | steps HTTP / alone "
               "| ms per step HTTP / alone | engine busy share | sent -> engine / queued / decoding / back (s) "
               "| CPU ms: loop / request, engine / step, rest / request |")
-        print("|---" * 19 + "|")
+        print("|---" * 18 + "|")
         for r in report["serve"]:
-            print(f"| {r['clients']} | {r['clients_in']} | {r['switch_interval_ms']} | {r['late_admission']} "
-                  f"({r['admission_wait_s']}) | {r['stream']} | {r['requests']} | {r['requests_per_s']} | "
+            print(f"| {r['clients']} | {r['clients_in']} | {r['switch_interval_ms']} | {r['stream']} | {r['requests']} | {r['requests_per_s']} | "
                   f"{r['output_tokens_per_s']:,} | {r['engine_alone_tokens_per_s']:,} | {r['http_over_engine']} | "
                   f"{r['first_block_mean_s']} / {r['first_block_p50_s']} / {r['first_block_p90_s']} | "
                   f"{r['latency_mean_s']} | {r['rows_per_forward']} | {r['graph_captures']} | "

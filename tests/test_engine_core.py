@@ -2,9 +2,6 @@
 rows in every phase, each row's tokens equal to `model.generate` alone (fp32), the new commit rules, cancel and
 block-end streaming."""
 
-import time
-from collections import deque
-
 import pytest
 import torch
 
@@ -541,53 +538,3 @@ def test_a_step_mixing_a_block_start_with_windows_attends_in_two_calls_without_p
         first += count
     unsplit = RaggedStep(storage, [0, 1, 2, 3], starts, lengths, [24] * 4, by_lane=True, split=False)
     assert unsplit.tensors["long_index"] is None and tuple(unsplit.tensors["mask"].shape) == (4, 1, 24, 24)
-
-
-def test_the_loop_admits_for_the_next_step_just_before_the_device_ends_the_one_queued():
-    # hand case: the last step's read waited for the device until t = 100.0 (the device then began the step queued
-    # behind it), recent device steps took 80-90 ms, and the host needs up to 4 ms from admission to its forward
-    # queued: admit at 100.0 + 0.080 - 0.004 - the slack, so that a request back from its client within ~73 ms
-    # joins the next step instead of the one after
-    import threading
-
-    from hf_dlm.serving import engine as engine_module
-
-    engine = ContinuousBatchingEngine(tiny_model("sdpa"), max_batch_size=3)
-    request = GenerationRequest([3, 4, 5], engine.sampling_params(max_new_tokens=8, block_length=4, steps=8))
-    engine.submit([request])
-    engine.step()  # one row running, two lanes free
-    steps = engine.stats["engine_steps"]
-    engine._synced, engine._step_times, engine._leads = (steps, 100.0), deque([0.09, 0.08]), deque([0.002, 0.004])
-    assert engine._admission_deadline() == pytest.approx(100.0 + 0.080 - 0.004 - engine_module.LATE_ADMISSION_SLACK)
-    engine._synced = (steps - 1, 100.0)  # the last step found the device done: nothing to time it by
-    assert engine._admission_deadline() is None
-    engine._synced = (steps, 100.0)
-    waiting = [GenerationRequest([3, 4], request.params) for _ in range(2)]
-    engine.waiting.extend(waiting)  # the free lanes are spoken for: admit at once
-    assert engine._admission_deadline() is None
-    engine.waiting.clear()
-    engine.late_admission = False
-    assert engine._admission_deadline() is None
-
-    # the wait ends at the deadline, or as soon as waiting requests fill the free lanes (woken by submit)
-    with engine.lock:
-        deadline = time.perf_counter() + 0.05
-        engine._wait_for_arrivals(deadline)
-        assert time.perf_counter() >= deadline
-    timer = threading.Timer(0.05, engine.submit, [waiting])
-    timer.start()
-    with engine.lock:
-        guard = time.perf_counter() + 30  # a hang guard, not a timing
-        engine._wait_for_arrivals(guard)
-        assert time.perf_counter() < guard
-    timer.join()
-    assert len(engine.waiting) == 2 and engine.stats["admission_wait_seconds"] > 0.05
-
-    # the background loop waits before each step for the deadline of the step before
-    engine.waiting.clear()
-    waits = []
-    engine._admission_deadline = lambda: time.perf_counter() - 1  # already passed: the loop goes on at once
-    engine._wait_for_arrivals = lambda deadline: waits.append(deadline)
-    engine.start()
-    engine.shutdown(timeout=60)
-    assert request.finish_reason is not None and len(waits) == engine.stats["engine_steps"] - steps

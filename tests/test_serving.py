@@ -277,8 +277,6 @@ def test_bounded_load_valid_answered_bad_rejected_and_batched(server):
     assert rows / passes > 1.0, (rows, passes)  # continuous batching: requests share forward passes
     assert 'hf_dlm_http_responses_total{path="/v1/completions",status="200"}' in after
     assert re.search(r"^hf_dlm_graph_captures_total 0$", after, re.M)  # CPU: no CUDA graphs
-    # nor a late admission: a CPU step computes as it is queued, so the loop never runs a step ahead
-    assert re.search(r"^hf_dlm_admission_wait_seconds_total 0(\.0)?$", after, re.M)
     # every step ran one forward at most, and the steps' wall time is counted (the busy share of a run)
     steps = metric(after, "hf_dlm_engine_steps_total") - metric(before, "hf_dlm_engine_steps_total")
     busy = metric(after, "hf_dlm_engine_step_seconds_total") - metric(before, "hf_dlm_engine_step_seconds_total")

@@ -284,8 +284,6 @@ class DLMServer:
                stats["engine_steps"])
         metric("hf_dlm_engine_step_seconds_total", "counter", "wall seconds inside engine steps (over elapsed time: "
                "the engine's busy share)", stats["step_seconds"])
-        metric("hf_dlm_admission_wait_seconds_total", "counter", "seconds the engine waited before admitting, for "
-               "requests to join the next step (late admission)", stats["admission_wait_seconds"])
         metric("hf_dlm_queue_waiting", "gauge", "sequences waiting to join the batch", engine.num_waiting)
         metric("hf_dlm_running_rows", "gauge", "sequences in the running batch", engine.num_running)
         metric("hf_dlm_generated_tokens_total", "counter", "tokens committed", stats["generated_tokens"])

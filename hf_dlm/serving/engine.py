@@ -43,11 +43,6 @@ from ..utils.errors import FieldError
 logger = logging.getLogger(__name__)
 
 
-# seconds kept between a late admission and the device's end of the step before: waking from the wait takes the
-# GIL back from the event loop (up to sys.getswitchinterval(), 5 ms by default, when the loop is busy)
-LATE_ADMISSION_SLACK = 0.003
-
-
 class QueueFullError(RuntimeError):
     """The engine's waiting queue is full (the server answers 429)."""
 
@@ -240,13 +235,6 @@ class ContinuousBatchingEngine:
         self.plan_key, self.plan = None, None  # the last step's RaggedStep: reused while no row changes its span
         # a step mixing block starts (whole canvases) with windows attends in two calls (`RaggedStep(split=...)`)
         self.split_attention = True
-        # the background loop admits for the next step as late as the device allows (`_admission_deadline`)
-        self.late_admission = True
-        self._synced = None  # (engine step, time) when the wait for the step before ended with the device busy
-        self._step_times: deque[float] = deque(maxlen=8)  # device seconds per step (CUDA events)
-        self._leads: deque[float] = deque(maxlen=16)  # host seconds from a step's start to its forward queued
-        self._step_start = 0.0
-        self._step_ends = deque(maxlen=2)  # the last steps' end events (late admission: the loop waits on each)
         self.captures = self.compile_choice not in (None, "eager") and self.device.type == "cuda"  # StepGraphs
         if preallocate if preallocate is not None else self.captures:
             if self.max_length is None:
@@ -257,7 +245,7 @@ class ContinuousBatchingEngine:
         self.stats = {"forward_passes": 0, "forward_rows": 0, "forward_tokens": 0, "max_forward_rows": 0,
                       "engine_steps": 0, "requests_admitted": 0, "requests_finished": 0, "requests_failed": 0,
                       "requests_cancelled": 0, "generated_tokens": 0, "first_block_seconds_sum": 0.0,
-                      "first_block_count": 0, "graph_captures": 0, "step_seconds": 0.0, "admission_wait_seconds": 0.0}
+                      "first_block_count": 0, "graph_captures": 0, "step_seconds": 0.0}
 
     def sampling_params(self, **overrides) -> SamplingParams:
         return self.sampling_params_for(self.model, **overrides)
@@ -365,7 +353,7 @@ class ContinuousBatchingEngine:
     @torch.inference_mode()  # always: a compiled step guards on the grad mode (another mode recompiles the model)
     def step(self):
         """Release cancelled rows, admit, one forward for every row with work, commit, end blocks."""
-        start = self._step_start = time.perf_counter()
+        start = time.perf_counter()
         try:
             self._step()
         finally:  # wall time in steps (the commit waits for the device): against a run's wall, the engine's busy share
@@ -388,20 +376,12 @@ class ContinuousBatchingEngine:
         # the previous step's block ends are read now, with this step's forward queued: the read waits for that
         # step's commit only, not for the device to drain (rows end blocks on staggered steps once requests arrive
         # apart, so reading at once would stall the device almost every step)
-        self._wait_for_step_before()
         self._read_block_ends()
         for row in list(self.running):
             while row in self.running and row.schedule.block_done():
                 self._end_block(row)
-        pacing = self.late_admission and self.thread is not None and self.defer_block_reads
-        if self.ended_blocks is not None or pacing:
-            event = self._record_event()
-            if self.ended_blocks is not None:
-                self.ended_blocks[1] = event
-            if pacing:
-                self._step_ends.append(event)
-        if not pacing:
-            self._step_ends.clear()  # late admission off: no stale step ends when it comes back on
+        if self.ended_blocks is not None:
+            self.ended_blocks[1] = self._record_event()
             if not self.running or not self.defer_block_reads:  # no forward left to overlap with
                 self._read_block_ends()
 
@@ -587,26 +567,9 @@ class ContinuousBatchingEngine:
     def _record_event(self):
         if self.device.type != "cuda":
             return None
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event()
         event.record()
         return event
-
-    def _wait_for_step_before(self):
-        """Late admission (the server's loop on a GPU): with this step queued, wait for the device to end the step
-        before, so that the host runs one step ahead (not up to a block's steps) and knows when the device began
-        this one: `_synced`, unless the device was already done (the host was late: no anchor). The device's
-        step times come from the step-end events."""
-        if not self._step_ends or self._step_ends[-1] is None:
-            return
-        before = self._step_ends[-1]
-        queued = time.perf_counter()  # the step's host work: admission, forward and commit queued
-        busy = not before.query()
-        before.synchronize()
-        now = time.perf_counter()
-        self._leads.append(queued - self._step_start)
-        if len(self._step_ends) == 2 and self._step_ends[0] is not None:
-            self._step_times.append(self._step_ends[0].elapsed_time(before) / 1e3)
-        self._synced = (self.stats["engine_steps"], now) if busy else None
 
     def _read_block_ends(self):
         """The ended blocks' tokens: streamed (`on_block`), then `stop_on_eos` and the stop check; a row that
@@ -672,44 +635,11 @@ class ContinuousBatchingEngine:
                     self.lock.wait(timeout=0.5)
                 if self.stopping and not self.has_work():
                     return
-                self._wait_for_arrivals(self._admission_deadline())
             try:
                 self.step()
             except Exception as error:  # noqa: BLE001 (a bug in a callback must not hang every open request)
                 for row in list(self.running):
                     self._finish(row, "error", error)
-
-    def _free_lanes(self) -> int:
-        return self.max_batch_size - sum(len(row.lanes) for row in self.running)
-
-    def _admission_deadline(self) -> float | None:
-        """When the loop admits for the next step (time.perf_counter()), or None: at once.
-
-        The host queues a step while the device runs the one before, so a step's rows are chosen about a step ahead:
-        a request answered at the end of step N and back from its client during step N + 1 would join at N + 3 (its
-        lane idle two steps; on the H100 a closed-loop client's round trip was 0.01-0.06 s against 22-84 ms steps,
-        benchmarks/RESULTS.md). With lanes free and no request waiting for them, the loop admits for step N + 2 just
-        before the device ends N + 1: when the wait for step N's end returned (`_wait_for_step_before`), plus the
-        shortest recent device step, less the longest recent host lead (admission to forward queued) and
-        `LATE_ADMISSION_SLACK`."""
-        if not (self.late_admission and self.running and self._synced is not None and self._step_times
-                and self._synced[0] == self.stats["engine_steps"]):
-            return None  # the last step found the device done (nothing to time it by), or nothing runs
-        if len(self.waiting) >= self._free_lanes():
-            return None  # the free lanes are spoken for
-        return self._synced[1] + min(self._step_times) - max(self._leads, default=0.0) - LATE_ADMISSION_SLACK
-
-    def _wait_for_arrivals(self, deadline: float | None):
-        """With the lock held: wait until `deadline` while requests may still take free lanes (woken by `submit`)."""
-        if deadline is None:
-            return
-        start = time.perf_counter()
-        while not self.stopping and len(self.waiting) < self._free_lanes():
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                break
-            self.lock.wait(timeout=left)
-        self.stats["admission_wait_seconds"] += time.perf_counter() - start
 
     def shutdown(self, timeout: float | None = None):
         """Take no new requests, finish every queued and running one, stop the loop."""

@@ -509,6 +509,12 @@ def test_a_step_mixing_a_block_start_with_windows_attends_in_two_calls_without_p
 
     assert long_rows([24, 4, 4, 4], [24] * 4, buckets=False) == [0]
     assert long_rows([24, 20, 4, 4], [24] * 4, buckets=False) == []  # 4x20x24 + 2x24x24 > half of 4x24x24
+    # bucketed, the GPU benchmark's arrivals: 4 block starts (320 queries) beside 28 windows (32), 320 keys:
+    # 32 x 32 x 320 + 4 x 320 x 320 = 0.22 of 32 x 320 x 320. A lone block start beside three windows does not
+    # pay: a bucketed second call has at least two rows (4 x 32 x 320 + 2 x 320 x 320 = 0.6 of 4 x 320 x 320)
+    assert long_rows([320] * 4 + [32] * 28, [320] * 32, buckets=True) == [0, 1, 2, 3]
+    assert long_rows([320, 32, 32, 32], [320] * 4, buckets=True) == []
+    assert long_rows([320, 32, 32, 32], [320] * 4, buckets=False) == [0]  # unbucketed, one row: 0.35
     storage = SlotStorage(torch.device("cpu"), 0, round_to=8)
     storage.reserve(4, 24)
     lengths, starts = [4, 4, 24, 4], [16, 16, 0, 16]

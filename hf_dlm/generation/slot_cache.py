@@ -6,7 +6,8 @@ row's query span through ONE forward, whatever its phase: an uncached row or a c
 start queries its whole canvas (keys / values stored), a cached row mid-block its window (dual: the
 block; prefix: the block and the rest). The spans are packed into one (1, T) sequence, so the GEMMs see
 only real tokens; attention runs per row, the packed queries laid out as (rows, Q_max) against the rows'
-storage (`RaggedStep.attention`, called by the model's attention through its `kv_cache`).
+storage (`RaggedKV.attention`, called by the model's attention through its `kv_cache`). A step mixing whole
+canvases with windows attends in two calls (`long_rows`), so that the windows are not padded to the canvas.
 
 Why hand-written: transformers' caches append per sequence and its continuous batching targets causal
 models; a diffusion sampler recomputes windows in the middle of each row's canvas (Fast-dLLM's caches).

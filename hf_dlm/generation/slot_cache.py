@@ -72,6 +72,12 @@ def bucket(n: int) -> int:
     return -(-n // step) * step
 
 
+def _row_count(n: int, buckets: bool) -> int:
+    """Rows of a call: n, or bucketed and at least two (a size of 1 is a case of its own for the compiler: a
+    recompile of the whole model)."""
+    return max(bucket(n), 2) if buckets else n
+
+
 def _query_index(offsets: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
     """(rows, width): packed index of each row's queries (rows start at `offsets`); padding columns read token 0
     (their outputs are never used)."""
@@ -111,7 +117,7 @@ def long_rows(lengths: list[int], key_lengths: list[int], buckets: bool) -> list
     for cut in sorted(set(lengths) - {widest, 0}):  # 0: the filler rows
         long = [i for i, n in enumerate(lengths) if n > cut]
         short_keys = max([k for n, k in zip(lengths, key_lengths) if n <= cut])
-        count = max(bucket(len(long)), 2) if buckets else len(long)
+        count = _row_count(len(long), buckets)
         pairs = rows * size(cut) * size(short_keys) + count * size(widest) * size(max(key_lengths[i] for i in long))
         if pairs <= best:
             best, chosen = pairs, long
@@ -148,7 +154,7 @@ class RaggedStep:
         head_places, head_starts = list(range(len(lanes))), list(starts)
         if by_lane:
             count = max(lanes) + 1
-            rows = min(max(bucket(count), 2) if buckets else count, max(storage.lanes, count))
+            rows = min(_row_count(count, buckets), max(storage.lanes, count))
             place = dict(zip(lanes, range(len(lanes))))
             if len(place) != len(lanes):
                 raise ValueError(f"by_lane: every row needs a lane of its own, got lanes {lanes}")
@@ -161,9 +167,8 @@ class RaggedStep:
             extra = None if extra is None else {name: placed(list(v), v[0]) for name, v in extra.items()}
             lanes = list(range(rows))
         b, total, width = len(lanes), sum(lengths), max(lengths)
-        # at least two rows: a size of 1 is a case of its own for the compiler (a recompile of the whole model);
         # a filler row has no tokens, only its attention row and LM-head columns
-        rows = b if by_lane else max(bucket(b), 2) if buckets else b
+        rows = b if by_lane else _row_count(b, buckets)
         self.num_tokens = bucket(total) if buckets else total
         width = bucket(width) if buckets else width
         filler = rows - b
@@ -181,25 +186,26 @@ class RaggedStep:
         # (rows, Q) -> packed token index; padding queries read token 0 (their outputs are never used)
         q_index = _query_index(offsets, lengths_t, width)
         key_lengths = key_lengths + [1] * filler
+        lanes_t, key_lengths_t, starts_t = torch.tensor(lanes), torch.tensor(key_lengths), torch.tensor(starts)
         parts = {"token_lane": lane, "token_slot": slot, "token_row": row, "token_qpos": qpos, "q_index": q_index,
-                 "lanes": torch.tensor(lanes), "key_lengths": torch.tensor(key_lengths), "starts": torch.tensor(starts)}
+                 "lanes": lanes_t, "key_lengths": key_lengths_t, "starts": starts_t}
         long = long_rows(lengths_t.tolist(), key_lengths, buckets) if split else []
         if long:  # group 0: every row, the long ones as filler (no queries, slot 0); group 1: the long rows
             is_long = torch.zeros(rows, dtype=torch.bool)
             is_long[long] = True
             short_lengths = lengths_t.masked_fill(is_long, 0)
-            short_width = max(int(short_lengths.max()), 1)
+            short_width = int(short_lengths.max())  # a short row is a real one: long_rows cuts at a real length
             short_width = bucket(short_width) if buckets else short_width
-            count = max(bucket(len(long)), 2) if buckets else len(long)  # filler long rows repeat the first
-            long_all = long + [long[0]] * (count - len(long))
-            long_lengths = lengths_t[long_all].masked_fill(torch.arange(count) >= len(long), 0)
-            parts["key_lengths"] = torch.tensor(key_lengths).masked_fill(is_long, 1)
+            count = _row_count(len(long), buckets)  # filler long rows repeat the first, with no queries
+            long_all = torch.tensor(long + [long[0]] * (count - len(long)))
+            filler_long = torch.arange(count) >= len(long)
+            parts["key_lengths"] = key_lengths_t.masked_fill(is_long, 1)
             parts["short_index"] = _query_index(offsets, short_lengths, short_width)
-            parts["long_index"] = _query_index(offsets[long_all], long_lengths, width)
-            parts["long_lanes"] = torch.tensor(lanes)[long_all]
-            parts["long_key_lengths"] = torch.tensor([key_lengths[i] for i in long_all]).masked_fill(
-                torch.arange(count) >= len(long), 1)
-            parts["long_starts"] = torch.tensor([starts[i] for i in long_all])
+            parts["long_index"] = _query_index(offsets[long_all], lengths_t[long_all].masked_fill(filler_long, 0),
+                                               width)
+            parts["long_lanes"] = lanes_t[long_all]
+            parts["long_key_lengths"] = key_lengths_t[long_all].masked_fill(filler_long, 1)
+            parts["long_starts"] = starts_t[long_all]
             # the packed tokens' places in the two calls' outputs laid end to end: (rows, Qs) then (count, Q)
             place = torch.zeros(rows, dtype=torch.long)
             place[long] = torch.arange(len(long))
@@ -210,7 +216,7 @@ class RaggedStep:
             count = torch.tensor([h[1] for h in heads])
             columns = torch.arange(int(count.max()))
             index = first.unsqueeze(1) + torch.minimum(columns.unsqueeze(0), count.unsqueeze(1) - 1)
-            fill = (max(bucket(len(heads)), 2) if buckets else len(heads)) - len(heads)  # filler rows: token 0
+            fill = _row_count(len(heads), buckets) - len(heads)  # filler rows: token 0
             parts["head_index"] = torch.cat([index, index.new_zeros(fill, index.shape[1])])
         for name, values in (extra or {}).items():
             parts[name] = torch.tensor(list(values) + [values[0]] * filler)

@@ -8,6 +8,8 @@
    (one forward per step), engine / generate ratio, arrivals / all-at-once ratio; a table at the end.
    `--engine-mask bias,bool`: the all-at-once engine runs with the engine's additive-bias mask and with a boolean
    mask (an engine each), to compare the two on one machine.
+   `--commit compiled,eager`: the all-at-once runs with the compiled greedy commit (the core's form) and with an
+   eager one (the form before 2026-12-07), on one machine.
    `--profile-steps N`: one more run of the largest batch and of the arrivals, N steps of each under
    torch.profiler: wall time per step (without and with the profiler) against the device's kernel time per step,
    and the operators / kernels by time (`profile_*.txt`).
@@ -17,7 +19,8 @@
    steps and ms per step (from /metrics), against the engine alone on as many requests in the same pattern.
 3. float8: batch-1 `model.generate` (same shape and options, one token per step, dual cache, compiled) with
    bf16 weights and with float8 weights (`hf_dlm.generation.float8`; CUDA only), the projections separate or
-   fused (`--fuse-projections no,yes`): tokens/s and the share of tokens equal to bf16 decoding;
+   fused (`--fuse-projections no,yes`), `float8-tensor-head` with the LM head in float8 too, each with the
+   `--commit` forms: tokens/s and the share of tokens equal to bf16 decoding;
    `--profile-steps N` adds a profiled generate of each (device busy ms per token, kernel table).
 4. eval: a local multiple-choice task through `lm_eval.simple_evaluate` with the `hf-dlm` model (falls back
    to the model's `loglikelihood` when the harness cannot load its datasets here).
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -67,6 +71,9 @@ def parse_args():
                    "float8 (row scales), float8-tensor (tensor scales); the share of equal tokens needs bf16")
     p.add_argument("--fuse-projections", default="no", help="the float8 part's runs, comma-separated: no (q / k / v "
                    "and gate / up separate), yes (fused: model.fuse_projections())")
+    p.add_argument("--commit", default="compiled", help="the core part's all-at-once runs and the float8 part's, "
+                   "comma-separated: compiled (a compiled generate or engine runs a greedy step's vocabulary-sized "
+                   "work through torch.compile, the default since 2026-12-07), eager (that work eager, as before)")
     p.add_argument("--engine-mask", default="bias", help="the core part's all-at-once engine runs, comma-separated: "
                    "bias (the engine's attention mask, an additive bias built once per step), bool (a boolean mask, "
                    "converted by SDPA in every layer: the form before 2026-12-07, for a same-machine comparison)")
@@ -499,6 +506,28 @@ def drive(engine, requests, every: int = 0, on_step=None) -> None:
         raise RuntimeError(f"a benchmark request failed in the engine: {failed.error!r}") from failed.error
 
 
+def commit_forms(args) -> list[str]:
+    forms = args.commit.split(",")
+    if set(forms) - {"compiled", "eager"}:
+        raise SystemExit(f"--commit: unknown {sorted(set(forms) - {'compiled', 'eager'})} (choose from compiled, eager)")
+    return forms
+
+
+@contextlib.contextmanager
+def commit_form(form: str):
+    """compiled: the core as it is; eager: a greedy step's vocabulary-sized work eager whatever the forward (the
+    core before 2026-12-07), for a same-machine comparison."""
+    from hf_dlm.generation import commit_rules
+
+    original = commit_rules.compiled_greedy_scores
+    if form == "eager":
+        commit_rules.compiled_greedy_scores = lambda choice: commit_rules.greedy_scores
+    try:
+        yield
+    finally:
+        commit_rules.compiled_greedy_scores = original
+
+
 def core_benchmark(model, args, report):
     """generate vs engine on equal requests (all at once), and the engine with requests arriving over time."""
     import torch
@@ -519,6 +548,7 @@ def core_benchmark(model, args, report):
         raise SystemExit(f"--arrival-graph-pool: unknown {sorted(set(pools) - {'shared', 'own'})} (choose from "
                          "shared, own)")
     variants = [(split, pool) for split in splits for pool in pools]
+    commits = commit_forms(args)
 
     def new_engine(mask, split="yes"):  # an engine per variant: its plans and captured graphs hold the variant's
         made = ContinuousBatchingEngine(model, max_batch_size=max(batches + [args.arrivals]), max_waiting=4096,
@@ -577,26 +607,28 @@ def core_benchmark(model, args, report):
             return (sum(len(r.generated) for r in requests) / wall,
                     *(engine.stats[name] - before[name] for name in before))
 
-        for batch in batches:
+        for batch, commit in ((b, c) for b in batches for c in commits):
             ids = prompts[:batch].to(device)
-            for attempt in range(2):  # the first run compiles and captures
-                log(f"{label}, batch {batch}: generate run {attempt + 1} of 2")
-                _sync()
-                start = time.perf_counter()
-                out = model.generate(ids, compile=compile_choice, **options)
-                _sync()
-                generate_tps = batch * args.new_tokens / (time.perf_counter() - start)
+            with commit_form(commit):
+                for attempt in range(2):  # the first run compiles and captures
+                    log(f"{label}, batch {batch}, {commit} commit: generate run {attempt + 1} of 2")
+                    _sync()
+                    start = time.perf_counter()
+                    out = model.generate(ids, compile=compile_choice, **options)
+                    _sync()
+                    generate_tps = batch * args.new_tokens / (time.perf_counter() - start)
             for mask in masks:
                 # the other forms' engines live for one batch: each holds its own preallocated storage and graphs
                 variant = engine if mask == masks[0] else new_engine(mask)
                 named = "" if len(masks) == 1 else f" ({mask} mask)"
-                log(f"{label}, batch {batch}: engine{named} warm-up")
-                engine_run(batch, engine=variant)
-                log(f"{label}, batch {batch}: engine{named} timed run")
-                engine_tps, steps, forwards, captures = engine_run(batch, engine=variant)
+                with commit_form(commit):
+                    log(f"{label}, batch {batch}, {commit} commit: engine{named} warm-up")
+                    engine_run(batch, engine=variant)
+                    log(f"{label}, batch {batch}, {commit} commit: engine{named} timed run")
+                    engine_tps, steps, forwards, captures = engine_run(batch, engine=variant)
                 same = sum(a == b for r, row_out in zip(last_requests, out[:, args.prompt_tokens:].tolist())
                            for a, b in zip(r.generated, row_out)) / (batch * args.new_tokens)
-                row = {"setting": label, "engine_mask": mask, "batch": batch, "arrival": "all at once",
+                row = {"setting": label, "engine_mask": mask, "commit": commit, "batch": batch, "arrival": "all at once",
                        "generate_tok_s": round(generate_tps, 1), "engine_tok_s": round(engine_tps, 1),
                        "ratio": round(engine_tps / generate_tps, 3), "engine_steps": steps, "forwards": forwards,
                        "captures_in_timed_run": captures, "tokens_equal_to_generate": round(same, 4)}
@@ -607,7 +639,8 @@ def core_benchmark(model, args, report):
         if not args.arrivals:
             continue
         all_at_once = next((r["engine_tok_s"] for r in report["core"] if r["setting"] == label
-                            and r["engine_mask"] == masks[0] and r["batch"] == args.arrivals), None)
+                            and r["engine_mask"] == masks[0] and r.get("commit") == commits[0]
+                            and r["batch"] == args.arrivals), None)
         # A shape is captured the second time it is seen, and this schedule has shapes that occur once per run:
         # runs repeat until one captures nothing (a server in its steady state), at most `ARRIVAL_RUNS`; each
         # run's figures are kept (the first run after the warm-up is what a server's second such burst sees).
@@ -732,37 +765,43 @@ def float8_benchmark(model, args, report):
     options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, steps=args.new_tokens,
                    cache="dual", temperature=0.0, stop_on_eos=False, compile=compile_value(args))
     rows, report["float8"] = {}, {"batch": 1}
-    granularity = {"float8": "row", "float8-tensor": "tensor"}
+    # name -> (granularity, the LM head in float8 too)
+    granularity = {"float8": ("row", False), "float8-tensor": ("tensor", False),
+                   "float8-tensor-head": ("tensor", True)}
     names, fusings = args.float8_weights.split(","), args.fuse_projections.split(",")
     if set(names) - {"bf16", *granularity} or set(fusings) - {"no", "yes"}:
         raise SystemExit(f"--float8-weights {args.float8_weights!r} / --fuse-projections {args.fuse_projections!r}: "
                          f"choose from bf16, {', '.join(granularity)} / no, yes")
-    for fused in fusings:
-        for name in names:
-            key = name + ("_fused" if fused == "yes" else "")
-            if name != "bf16" and not cuda:
-                print(f"float8: {key} skipped (needs a CUDA GPU with float8 tensor cores)")
-                continue
-            target = model if key == "bf16" else copy.deepcopy(model)
-            if fused == "yes":
-                target.fuse_projections()
-            if name != "bf16":
-                log(f"float8: quantizing a copy of the model ({granularity[name]} scales)")
-                quantize_float8_for_decoding(target, granularity[name])
-            for attempt in range(2):  # the first run compiles and captures
-                log(f"float8: {key} generate run {attempt + 1} of 2")
-                _sync()
-                start = time.perf_counter()
-                out = target.generate(ids, **options)
-                _sync()
-                wall = time.perf_counter() - start
-            rows[key] = out[0, args.prompt_tokens:]
-            report["float8"][f"{key}_tok_s"] = round(args.new_tokens / wall, 1)
-            if args.profile_steps:
-                report["float8"][f"{key}_profile"] = profile_generate(target, ids, options, args, f"float8 {key}")
+    commits = commit_forms(args)
+    for fused, name in ((f, n) for f in fusings for n in names):
+        base = name + ("_fused" if fused == "yes" else "")
+        if name != "bf16" and not cuda:
+            print(f"float8: {base} skipped (needs a CUDA GPU with float8 tensor cores)")
+            continue
+        target = model if name == "bf16" and fused == "no" else copy.deepcopy(model)
+        if fused == "yes":
+            target.fuse_projections()
+        if name != "bf16":
+            scales, head = granularity[name]
+            log(f"float8: quantizing a copy of the model ({scales} scales{', LM head too' if head else ''})")
+            quantize_float8_for_decoding(target, scales, lm_head=head)
+        for commit in commits:  # one model, its compiled forward shared by the commit forms
+            key = base + ("" if commit == "compiled" else "_eager_commit")
+            with commit_form(commit):
+                for attempt in range(2):  # the first run compiles and captures
+                    log(f"float8: {key} generate run {attempt + 1} of 2")
+                    _sync()
+                    start = time.perf_counter()
+                    out = target.generate(ids, **options)
+                    _sync()
+                    wall = time.perf_counter() - start
+                rows[key] = out[0, args.prompt_tokens:]
+                report["float8"][f"{key}_tok_s"] = round(args.new_tokens / wall, 1)
+                if args.profile_steps:
+                    report["float8"][f"{key}_profile"] = profile_generate(target, ids, options, args, f"float8 {key}")
             print(json.dumps({key: report["float8"][f"{key}_tok_s"]}), flush=True)
             dump(report, args)  # each figure as soon as it exists
-            del target
+        del target
     for key in sorted(set(rows) - {"bf16"}) if "bf16" in rows else ():
         report["float8"][f"{key}_tokens_equal_to_bf16"] = round(float((rows[key] == rows["bf16"]).float().mean()), 3)
     print(json.dumps(report["float8"]), flush=True)
@@ -808,6 +847,7 @@ def main():
         args.clients_in, args.switch_intervals = "process,thread", "0.001"
         args.fuse_projections, args.profile_steps, args.profile_skip = "no,yes", 2, 1
         args.engine_mask, args.arrival_split, args.arrival_graph_pool = "bias,bool", "yes,no", "shared,own"
+        args.commit = "compiled,eager"
         args.prompt_tokens, args.eval_docs, args.mc_num, args.eval_batch_size = 8, 10, 2, 8
         args.batches, args.new_tokens, args.arrivals, args.arrival_every = "2,4", 16, 4, 2
     if args.compile is None:
@@ -832,12 +872,12 @@ def main():
             runners[part](model, args, report)
         dump(report, args)
     if report["core"]:
-        print("| setting | engine mask | batch | arrival | generate tok/s | engine tok/s | engine / generate | steps "
+        print("| setting | engine mask / commit | batch | arrival | generate tok/s | engine tok/s | engine / generate | steps "
               "| forwards | graph captures in the run | vs all at once | tokens = generate |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in report["core"]:
             arrival = r["arrival"] + (f" (split {r['split_attention']})" if "split_attention" in r else "")
-            print(f"| {r['setting']} | {r['engine_mask']} | {r['batch']} | {arrival} | {r.get('generate_tok_s', '-')} | "
+            print(f"| {r['setting']} | {r['engine_mask']} / {r.get('commit', 'compiled')} | {r['batch']} | {arrival} | {r.get('generate_tok_s', '-')} | "
                   f"{r['engine_tok_s']} | {r.get('ratio', '-')} | {r['engine_steps']} | {r['forwards']} | "
                   f"{r['captures_in_timed_run']} | {r.get('ratio_to_all_at_once', '-')} | "
                   f"{r.get('tokens_equal_to_generate', '-')} |")

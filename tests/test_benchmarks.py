@@ -38,6 +38,12 @@ def _serving_parts(out: Path, stdout: str):
     batch1 = report["float8"]
     assert batch1["bf16_fused_tokens_equal_to_bf16"] == 1.0 and batch1["bf16_fused_tok_s"] > 0, batch1
     assert (out / batch1["bf16_fused_profile"]["table"]).exists() and len(report["profile"]) == 2, report["profile"]
+    # each all-at-once setting with the compiled commit and the eager one (a same-machine comparison), equal tokens
+    together = [r for r in report["core"] if r["arrival"] == "all at once"]
+    assert sorted({(r["commit"], r["batch"]) for r in together}) == [(c, b) for c in ("compiled", "eager")
+                                                                      for b in (2, 4)], together
+    assert all(r["tokens_equal_to_generate"] == 1.0 for r in together), together
+    assert batch1["bf16_eager_commit_tokens_equal_to_bf16"] == 1.0, batch1
     # the arrivals with the engine's two-call attention and with one padded call (a same-machine comparison)
     arrivals = [r for r in report["core"] if r["arrival"] != "all at once"]
     assert sorted((r["setting"], r["split_attention"], r["graph_pool"]) for r in arrivals) == [

@@ -142,7 +142,7 @@ def test_entropy_bound_equals_the_transcription_and_transformers_accept_canvas()
     current = torch.full((4, 16), MASK_ID % 40)
     accepted = sampler.accept_canvas(current, logits.argmax(-1), logits, 0)
     ours, _ = decide_step(logits, current, torch.ones(4, 16, dtype=torch.bool), CommitSettings(entropy_bound=1.5),
-                          mask_index=torch.tensor([MASK_ID % 40]))
+                          mask_id=MASK_ID % 40)
     assert torch.equal(ours, accepted)
     assert sampler.accepted_token_mask.sum() > 4  # several tokens per step somewhere
 
@@ -163,7 +163,7 @@ def test_editing_step_equals_llada21_on_equal_logits():
         expected, expected_edit = llada21_step(logits, block.tolist(), prompt_in_block, 0.6, 0.5, mask_id)
         candidates = block.eq(mask_id)[None]
         tokens, edited = decide_step(logits[None], block[None], candidates, CommitSettings(threshold=0.6,
-                                     editing_threshold=0.5), editable=~candidates, mask_index=torch.tensor([mask_id]))
+                                     editing_threshold=0.5), editable=~candidates, mask_id=mask_id)
         assert tokens[0].tolist() == expected and bool(edited[0]) == expected_edit
 
 
@@ -358,7 +358,7 @@ def test_credit_changes_the_token_where_plain_threshold_decides_otherwise():
         for probabilities in steps:
             masks = current.eq(mask_id)
             current, _ = decide_step(as_logits(probabilities), current, masks, settings,
-                                     mask_index=torch.tensor([mask_id]), credit=credit)
+                                     mask_id=mask_id, credit=credit)
             committed.append((masks & current.ne(mask_id)).nonzero()[:, 1].tolist())
         results[name] = current[0].tolist(), committed
     assert results["plain"] == ([0, 0, 2], [[0], [1], [2]])
@@ -404,3 +404,57 @@ def test_credit_settings_are_validated_naming_the_field(options, field):
         DLMGenerationConfig.from_any(None, **options)
     assert error.value.field == field and field in str(error.value)
     DLMGenerationConfig.from_any(None, credit_alpha=0.0, threshold=0.9, credit_boost=0.0, credit_decay=1.0)  # limits
+
+
+# ---- the compiled greedy scores -----------------------------------------------------------------------------------
+def test_compiled_greedy_scores_equal_the_eager_ones_by_hand_and_never_pick_the_mask():
+    """The compiled sampler's vocabulary-sized work (argmax without [MASK], its confidence in float64) against the
+    eager function and a hand-computed row; three batch sizes and two widths through the one dynamic graph."""
+    from hf_dlm.generation.commit_rules import compiled_greedy_scores, greedy_scores
+
+    compiled = compiled_greedy_scores("default")
+    generator = torch.Generator().manual_seed(0)
+    for batch, width in ((3, 8), (5, 8), (2, 6)):
+        logits = torch.randn(batch, width, 40, generator=generator)
+        logits[..., 7] = 50.0  # [MASK] (id 7) has the largest logit everywhere: it must never be x0
+        logits[0, 0, 3] = logits[0, 0, 5] = 20.0  # a tie: the lower id wins, as argmax's first maximum
+        for remasking in ("low_confidence", "margin", "entropy"):
+            x0, confidence = compiled(logits, 7, remasking)
+            eager_x0, eager_confidence = greedy_scores(logits, 7, remasking)
+            assert torch.equal(x0, eager_x0) and confidence.dtype == torch.float64
+            torch.testing.assert_close(confidence, eager_confidence, rtol=1e-12, atol=1e-15)
+            assert not x0.eq(7).any() and x0[0, 0] == 3
+        row = logits[0, 0].double()
+        _, low = compiled(logits, 7, "low_confidence")
+        assert low[0, 0].item() == pytest.approx(float(row[3].exp() / row.exp().sum()), rel=1e-12)
+
+
+def test_a_compiled_generate_and_engine_commit_through_the_compiled_scores(monkeypatch):
+    """generate(compile=...) and the compiled engine take the compiled greedy scores (a call each step), and their
+    tokens equal eager generate's (whose steps take the plain function)."""
+    from hf_dlm.generation import commit_rules
+    from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
+
+    calls = []
+    original = commit_rules.compiled_greedy_scores
+
+    def recording(choice):
+        calls.append(choice)
+        return original(choice)
+
+    monkeypatch.setattr(commit_rules, "compiled_greedy_scores", recording)
+    model = tiny_model(seed=3)
+    prompt = torch.randint(0, 60, (2, 5), generator=torch.Generator().manual_seed(1))
+    options = dict(max_new_tokens=8, block_length=4, steps=8, cache="dual", temperature=0.0, stop_on_eos=False)
+    eager = model.generate(prompt, **options)
+    assert calls == []
+    compiled = model.generate(prompt, **options, compile="eager")
+    assert len(calls) == 8 and set(calls) == {"eager"}
+    assert torch.equal(compiled, eager)
+    engine = ContinuousBatchingEngine(model, max_batch_size=4, compile="eager")
+    requests = [GenerationRequest(row.tolist(), engine.sampling_params(**options)) for row in prompt]
+    engine.submit(requests)
+    while engine.has_work():
+        engine.step()
+    assert len(calls) > 8
+    assert [r.generated for r in requests] == eager[:, 5:].tolist()

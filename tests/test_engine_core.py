@@ -342,10 +342,12 @@ def test_step_shapes_counts_the_attention_padding_of_a_step_mixing_a_refresh_and
 def test_float8_decoding_takes_the_decoder_projections_and_refuses_without_a_float8_gpu():
     from hf_dlm.generation.float8 import float8_decoding_filter, quantize_float8_for_decoding
 
-    model = tiny_model("sdpa")
+    model = tiny_model("sdpa", vocab_size=96, mask_token_id=95)  # a vocabulary the float8 GEMM takes (16 | 96)
     taken = {name for name, module in model.named_modules() if float8_decoding_filter(module, name)}
     assert "model.layers.0.self_attn.q_proj" in taken and "model.layers.1.mlp.down_proj" in taken
     assert "lm_head" not in taken and not any("embed" in name or "norm" in name for name in taken)
+    with_head = {name for name, module in model.named_modules() if float8_decoding_filter(module, name, lm_head=True)}
+    assert with_head == taken | {"lm_head"}
     if not torch.cuda.is_available():
         pytest.importorskip("torchao")
         with pytest.raises(RuntimeError, match="compute capability >= 8.9"):
@@ -373,6 +375,13 @@ def test_float8_decoding_leaves_the_process_inductor_settings_alone(monkeypatch)
                 float8.quantize_float8_for_decoding(model, granularity)
                 assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "Float8Tensor"
                 assert model.lm_head.weight.dtype == torch.bfloat16  # the head stays in its dtype
+                with pytest.raises(ValueError, match=r"lm_head=True.*\(99, 32\)"):  # 99 words: no float8 GEMM
+                    float8.quantize_float8_for_decoding(model, granularity, lm_head=True)
+                model = tiny_model("sdpa", vocab_size=96, mask_token_id=95, tie_word_embeddings=True).to(torch.bfloat16)
+                float8.quantize_float8_for_decoding(model, granularity, lm_head=True)
+                assert type(model.lm_head.weight).__name__ == "Float8Tensor"
+                assert type(model.model.embed_tokens.weight) is torch.nn.Parameter  # a tied head's embeddings stay
+                assert model.model.embed_tokens.weight.dtype == torch.bfloat16
             assert inductor_config.coordinate_descent_tuning is False
             assert inductor_config.coordinate_descent_check_all_directions is False
             assert torch.get_float32_matmul_precision() == precision

@@ -8,7 +8,7 @@ import torch
 
 from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
 
-from tests.utils import EmulatedGraph, emulate_step_graphs, tiny_model
+from tests.utils import EmulatedGraph, eager_commit, emulate_step_graphs, tiny_model
 
 
 def long_run(model, preallocate: bool):
@@ -71,11 +71,13 @@ def test_preallocation_needs_a_length_and_refuses_longer_requests():
     assert ContinuousBatchingEngine(model).storage.lanes == 0  # on CPU, eager: the storage grows as rows need
 
 
-def test_compiled_step_compiles_once_across_row_counts_and_phases():
+def test_compiled_step_compiles_once_across_row_counts_and_phases(monkeypatch):
     # rows alone and joined, refresh and window steps, cached and uncached rows: one Dynamo graph (dynamic sizes).
     # Each recompile is a whole-model Inductor compile (minutes at 8B): duck sizing would have turned equal sizes
     # (rows and lanes, queries and LM-head columns) into guards, and a single row into a case of its own
     from torch._dynamo.utils import counters
+
+    eager_commit(monkeypatch)  # the step's graphs alone (the commit's own are tested in test_commit_rules.py)
 
     torch._dynamo.reset()
     counters.clear()
@@ -87,11 +89,13 @@ def test_compiled_step_compiles_once_across_row_counts_and_phases():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
-def test_warmup_compiles_the_step_before_traffic_and_leaves_the_counters():
+def test_warmup_compiles_the_step_before_traffic_and_leaves_the_counters(monkeypatch):
     # `hf-dlm serve --compile` warms the engine up before it listens: the first client must not wait for the
     # compiler (minutes at 8B). After warmup() the requests of a long run (rows alone and joined, refresh and
     # window steps, cached and uncached) compile nothing, and their tokens still equal generate alone
     from torch._dynamo.utils import counters
+
+    eager_commit(monkeypatch)  # the step's graphs alone (the commit's own are tested in test_commit_rules.py)
 
     torch._dynamo.reset()
     counters.clear()
@@ -146,10 +150,12 @@ def test_compiled_step_sees_the_slot_storage_static_and_the_step_sizes_dynamic()
     assert isinstance(shapes["l_token_slot_"][0], str) and isinstance(shapes["l_mask_"][0], str)  # symbols
 
 
-def test_the_compiled_step_traces_one_layer_whatever_the_depth():
+def test_the_compiled_step_traces_one_layer_whatever_the_depth(monkeypatch):
     # regional compilation: the decoder layers share one graph, so the compiler's work (minutes for a 28-layer
     # dynamic-size step) does not grow with the depth. Tokens equal generate alone.
     from torch._dynamo.utils import counters
+
+    eager_commit(monkeypatch)  # the step's graphs alone (the commit's own are tested in test_commit_rules.py)
 
     traced = []
     for layers in (2, 4):

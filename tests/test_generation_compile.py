@@ -7,7 +7,7 @@ import torch
 from hf_dlm.generation import compiled_step as generation_compile
 from hf_dlm.generation.configuration import DLMGenerationConfig
 
-from tests.utils import emulate_step_graphs, tiny_model
+from tests.utils import eager_commit, emulate_step_graphs, tiny_model
 from tests.utils import count_host_reads, left_padded
 
 GEN = dict(max_new_tokens=16, block_length=8, steps=16, temperature=0.0)
@@ -155,10 +155,12 @@ def test_step_graphs_key_on_shapes_and_flags(emulated_graphs):
     assert len(captures) == 2  # a flag is part of the key
 
 
-def test_compiled_generate_traces_one_layer_whatever_the_depth():
+def test_compiled_generate_traces_one_layer_whatever_the_depth(monkeypatch):
     # regional compilation (`CompiledStaticForward`): the decoder layers share one graph per step shape, so the
     # compile time (~50 s at 8B on an H200 for the whole forward) does not grow with the depth
     from torch._dynamo.utils import counters
+
+    eager_commit(monkeypatch)  # the step's graphs alone (the commit's own are tested in test_commit_rules.py)
 
     _, input_ids, attention_mask = left_padded([5, 9])
     options = dict(max_new_tokens=8, block_length=4, steps=8, temperature=0.0, cache="dual")

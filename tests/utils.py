@@ -136,6 +136,14 @@ def emulate_step_graphs(monkeypatch) -> list:
     return EmulatedGraph.captures
 
 
+def eager_commit(monkeypatch) -> None:
+    """The compiled sampler's and engine's greedy scores run eagerly (`compiled_greedy_scores`): a test that counts
+    Dynamo's graphs then counts the model step's alone."""
+    from hf_dlm.generation import commit_rules
+
+    monkeypatch.setattr(commit_rules, "compiled_greedy_scores", lambda choice: commit_rules.greedy_scores)
+
+
 def set_attn(model, implementation: str):
     model.config._attn_implementation = implementation
     return model

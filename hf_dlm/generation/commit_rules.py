@@ -176,27 +176,73 @@ def credit_logits(logits: torch.Tensor, credit: torch.Tensor, masks: torch.Tenso
     return logits + settings.credit_alpha * torch.log(credit + 1)
 
 
+# ---- a greedy step's vocabulary-sized work ----------------------------------------------------------------------
+def without_mask(logits: torch.Tensor, mask_id: int | None) -> torch.Tensor:
+    """The logits with [MASK] at -inf (never a candidate); an int id, not an index tensor: compiled, the fill fuses
+    into the reduction that reads it instead of copying the logits."""
+    if mask_id is None:
+        return logits
+    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) == mask_id, -torch.inf)
+
+
+def greedy_scores(logits: torch.Tensor, mask_id: int | None, remasking: str):
+    """(B, W, V) -> (x0 (B, W): the argmax without [MASK], confidence (B, W) float64: `confidence_scores`)."""
+    x0 = without_mask(logits, mask_id).argmax(-1)
+    return x0, confidence_scores(logits, x0, remasking)
+
+
+_COMPILED_SCORES: dict = {}
+
+
+def compiled_greedy_scores(choice: str):
+    """`greedy_scores` through torch.compile (sizes dynamic after the first change: the engine's groups vary).
+    Eager, a step reads the (B, W, V) logits some ten times (the float64 upcast, the max, the exponentials, the
+    sum, the [MASK] fill): 12 % of an 8B engine step at batch 64 (H100 profile, benchmarks/RESULTS.md); Inductor
+    fuses them into reductions that read the logits once or twice. `choice` "eager" / "cudagraphs" trace only
+    (no Inductor, as those choices promise); any other compiles with Inductor's default mode (the forward's
+    CUDA graphs are the sampler's own, `StepGraphs`)."""
+    backend = "eager" if choice in ("eager", "cudagraphs") else "inductor"
+    if backend not in _COMPILED_SCORES:
+        # every size dynamic from the start (the engine's groups and aligned blocks vary, the vocabulary per model):
+        # one graph per remasking rule, dtype and grad mode, not one per shape
+        compiled = torch.compile(greedy_scores, backend=backend, dynamic=True)
+
+        def scores(logits, mask_id, remasking):
+            with torch._dynamo.config.patch(recompile_limit=64):
+                return compiled(logits, mask_id, remasking)
+
+        _COMPILED_SCORES[backend] = scores
+    return _COMPILED_SCORES[backend]
+
+
 # ---- one step -----------------------------------------------------------------------------------------------
 def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.Tensor, settings: CommitSettings,
                 budget: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                editable: torch.Tensor | None = None, mask_index: torch.Tensor | None = None,
-                credit: torch.Tensor | None = None):
+                editable: torch.Tensor | None = None, mask_id: int | None = None,
+                credit: torch.Tensor | None = None, compile: str | None = None):
     """One step's decision for rows sharing `settings`.
 
     logits (B, W, V) of the window; current (B, W) its tokens; candidates (B, W) bool: the masks this step may
     commit; budget (B,): LLaDA's count (count rule "budget"); editable (B, W) bool: committed tokens that
-    `editing_threshold` may replace; mask_index (1,) the [MASK] id, never a candidate; credit (B, W, V) float32:
+    `editing_threshold` may replace; mask_id: the [MASK] id, never a candidate; credit (B, W, V) float32:
     the rows' credit (`credit_alpha`), updated in place at the candidates (every mask of the block: credit takes no
-    sub-blocks).
+    sub-blocks); compile: a `COMPILE_CHOICES` key (the caller's forward is compiled): a greedy step's
+    vocabulary-sized work runs through `compiled_greedy_scores`.
     -> (tokens (B, W): the window after the step, edited (B,) bool: some token was re-decided)."""
     if settings.credit_alpha is not None:
         if credit is None:
             raise ValueError("decide_step: credit_alpha needs the rows' credit state (credit=, zeros at a block start)")
         logits = credit_logits(logits, credit, candidates, settings)
-    masked_logits = logits if mask_index is None else logits.index_fill(-1, mask_index, -torch.inf)
-    filtered = filter_logits(masked_logits, settings.top_k, settings.top_p)
-    x0 = add_gumbel_noise(filtered, settings.temperature, generator).argmax(-1)
     rule = settings.count_rule
+    greedy = settings.temperature == 0 and settings.remasking != "random" and rule != "entropy_bound"
+    if greedy:  # top-k / top-p never remove the argmax: the candidates are the argmax of the logits without [MASK]
+        x0, scores = (compiled_greedy_scores(compile) if compile else greedy_scores)(logits, mask_id,
+                                                                                      settings.remasking)
+        confidence = scores.masked_fill(~candidates, -torch.inf)
+    else:
+        masked_logits = without_mask(logits, mask_id)
+        filtered = filter_logits(masked_logits, settings.top_k, settings.top_p)
+        x0 = add_gumbel_noise(filtered, settings.temperature, generator).argmax(-1)
     if rule == "entropy_bound":
         # entropy of the distribution the token is drawn from: [MASK] suppressed, tempered and filtered when
         # sampling (diffusers / DiffusionGemma), the plain logits when greedy (SGLang)
@@ -205,7 +251,9 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
         entropy = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
         commit = entropy_bound_commits(entropy.masked_fill(~candidates, torch.inf), settings.entropy_bound)
     else:
-        confidence = confidence_scores(logits, x0, settings.remasking, generator).masked_fill(~candidates, -torch.inf)
+        if not greedy:
+            confidence = confidence_scores(logits, x0, settings.remasking, generator).masked_fill(~candidates,
+                                                                                                  -torch.inf)
         if rule == "threshold":
             commit = threshold_commits(confidence, settings.threshold, strict=settings.editing_threshold is not None)
         elif rule == "factor":
@@ -214,12 +262,14 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
             commit = budget_commits(confidence, budget)
     edited = torch.zeros(current.shape[0], dtype=torch.bool, device=current.device)
     if settings.editing_threshold is not None and editable is not None:
-        probability = confidence_scores(logits, x0, "low_confidence")
+        probability = scores if greedy and settings.remasking == "low_confidence" else \
+            confidence_scores(logits, x0, "low_confidence")
         edit = editing_commits(probability, x0, current, editable, settings.editing_threshold)
         commit, edited = commit | edit, edit.any(-1)
     return torch.where(commit, x0, current), edited
 
 
 __all__ = ["COMMIT_RULES", "COUNT_RULES", "REMASKING", "CommitRule", "CommitSettings", "block_candidates",
-           "budget_commits", "credit_logits",
-           "decide_step", "editing_commits", "entropy_bound_commits", "factor_commits", "threshold_commits"]
+           "budget_commits", "compiled_greedy_scores", "credit_logits",
+           "decide_step", "editing_commits", "entropy_bound_commits", "factor_commits", "greedy_scores",
+           "threshold_commits", "without_mask"]

@@ -3,8 +3,10 @@ one scale per output row, activations quantised per row on the fly, the GEMMs in
 `Float8DynamicActivationFloat8WeightConfig`, `torch._scaled_mm`). At batch 1 a decoding step of an 8B model
 is bounded by reading its weights (16 GB in bf16); float8 halves what is read.
 
-The embeddings, norms and the LM head stay in their dtype (the head's logits decide which token is
-committed; it is also the layer whose quantisation error is largest). Needs torchao and a GPU with float8
+The embeddings and norms stay in their dtype, and by default the LM head too (its logits decide which token is
+committed; it is also the layer whose quantisation error is largest); `lm_head=True` takes it as well: at batch
+1 its bf16 read (1 GB at the LLaDA-8B shape) is 7 % of a float8 step (H100 profile, benchmarks/RESULTS.md). Needs
+torchao and a GPU with float8
 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell)."""
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from ..utils.import_utils import require
 KEEP = ("lm_head", "embed_tokens")  # modules left in their dtype, by name suffix
 
 
-def float8_decoding_filter(module: torch.nn.Module, name: str) -> bool:
-    """The linear layers float8 takes: decoder projections whose sizes the float8 GEMM accepts (multiples of 16)."""
-    return (isinstance(module, torch.nn.Linear) and not any(name == k or name.endswith("." + k) for k in KEEP)
+def float8_decoding_filter(module: torch.nn.Module, name: str, lm_head: bool = False) -> bool:
+    """The linear layers float8 takes: decoder projections (and the LM head with `lm_head`) whose sizes the float8
+    GEMM accepts (multiples of 16)."""
+    keep = tuple(k for k in KEEP if not (lm_head and k == "lm_head"))
+    return (isinstance(module, torch.nn.Linear) and not any(name == k or name.endswith("." + k) for k in keep)
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
@@ -31,10 +35,12 @@ def _require_float8_gpu(device: torch.device) -> None:
                            f"{device}); keep bf16 weights there")
 
 
-def quantize_float8_for_decoding(model: torch.nn.Module, granularity: str = "row") -> torch.nn.Module:
+def quantize_float8_for_decoding(model: torch.nn.Module, granularity: str = "row",
+                                 lm_head: bool = False) -> torch.nn.Module:
     """In place: the decoder projections of `model` in float8 (see the module docstring); returns the model.
     `granularity` "row" (the default) or "tensor" (one scale per weight and per activation: cuBLAS's float8
-    GEMM instead of the row-scaled one). Raises an ImportError naming the extra without torchao, a RuntimeError
+    GEMM instead of the row-scaled one); `lm_head`: the LM head in float8 too (a tied head gets a float8 copy, the
+    embeddings keep theirs). Raises an ImportError naming the extra without torchao, a RuntimeError
     without a float8-capable GPU, a ValueError for another granularity."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"quantize_float8_for_decoding: granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -47,7 +53,12 @@ def quantize_float8_for_decoding(model: torch.nn.Module, granularity: str = "row
     # 467 s instead of 107 (benchmarks/RESULTS.md), and it would change every later compile the process makes
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow() if granularity == "row" else PerTensor(),
                                                        set_inductor_config=False)
-    quantize_(model, config, filter_fn=float8_decoding_filter)
+    head = getattr(model, "lm_head", None)
+    if lm_head and (not isinstance(head, torch.nn.Linear) or head.in_features % 16 or head.out_features % 16):
+        shape = tuple(head.weight.shape) if isinstance(head, torch.nn.Linear) else type(head).__name__
+        raise ValueError(f"quantize_float8_for_decoding(lm_head=True): the LM head ({shape}) is not a linear layer "
+                         "whose sizes are multiples of 16, which the float8 GEMM needs; pass lm_head=False")
+    quantize_(model, config, filter_fn=lambda module, name: float8_decoding_filter(module, name, lm_head))
     return model
 
 

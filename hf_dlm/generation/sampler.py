@@ -375,7 +375,6 @@ class DiffusionSampler:
             self.cache_key_padding = None if bool(self.full_mask.all()) else self.cache.full_attention_mask
             pads = (prompt_len - self.full_mask[:, :prompt_len].sum(-1)).view(-1, 1)  # (B, 1) left pads per row
         eos_ids = torch.tensor(self.eos_ids, device=device)
-        self.mask_index = torch.tensor([mask_id], device=device)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         streamed, step_count, query_floor = 0, 0, 0
@@ -449,7 +448,7 @@ class DiffusionSampler:
                         credit = logits.new_zeros((batch, *logits.shape[1:]), dtype=torch.float32)
                     row_credit = credit[rows]  # a copy for an index tensor: written back below
                 tokens, edited = decide_step(logits, current, candidates, settings, row_budget, self.generator, editable,
-                                             self.mask_index, row_credit)
+                                             mask_id, row_credit, choice)
                 if row_credit is not None:
                     credit[rows] = row_credit
                 if isinstance(rows, slice):

@@ -207,7 +207,6 @@ class ContinuousBatchingEngine:
         eos = eos_token_id if eos_token_id is not None else getattr(model.config, "eos_token_id", None)
         self.eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.eos_tensor = torch.tensor(self.eos_ids, dtype=torch.long)
-        self.mask_index = torch.tensor([self.mask_id], device=self.device)
         self.mask_dtype = model.get_input_embeddings().weight.dtype  # the attention mask as an additive bias
         self.shift = int(getattr(model.config, "label_alignment", "same") == "shift")
         self.attention_mode = getattr(model.config, "attention_mode", "bidirectional")
@@ -535,7 +534,7 @@ class ContinuousBatchingEngine:
                 if row.credit is not None:
                     credit[i, : row.credit.shape[0]] = row.credit
         tokens, edited = decide_step(logits[:, :width], current, candidates, settings, budget, group[0].generator,
-                                     editable, self.mask_index, credit)
+                                     editable, self.mask_id, credit, self.compile_choice)
         if credit is not None:
             for i, row in enumerate(group):
                 row.credit = credit[i, : row.schedule.width]

@@ -215,3 +215,31 @@ def test_compiled_budget_steps_read_nothing_back_per_step(monkeypatch):
         counts[steps] = len(reads)
         assert torch.equal(compiled, model.generate(input_ids, attention_mask=attention_mask, **options))
     assert counts[8] == counts[16], counts
+
+
+def test_a_window_step_writes_its_keys_into_the_cache_in_place_with_the_logits_of_a_copy():
+    # the dual cache's window step splices its fresh keys / values into the stored ones: in place (the compiled and
+    # the captured steps) instead of copying every slot of the canvas per layer; the logits are the same, and the
+    # cache then holds the window's fresh keys / values (the next step recomputes those slots before reading them)
+    from hf_dlm.generation.compiled_step import CompiledStaticForward, static_forward
+
+    model = tiny_model("sdpa")
+    canvas = torch.randint(0, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(12).repeat(2, 1)
+    with torch.no_grad():
+        _, keys, values = static_forward(model, canvas, positions, None, positions, torch.arange(12), return_kv=True)
+        window = dict(input_ids=torch.randint(0, 90, (2, 4), generator=torch.Generator().manual_seed(1)),
+                      position_ids=positions[:, 4:8], key_padding=None, key_position_ids=positions,
+                      head_index=torch.arange(4), slots=torch.arange(4, 8), return_kv=True)
+        copied = (keys.clone(), values.clone())
+        expected, fresh_keys, fresh_values = static_forward(model, **window, past=copied)
+        assert torch.equal(copied[0], keys) and torch.equal(copied[1], values)  # out of place: the cache unchanged
+        for forward in (static_forward, CompiledStaticForward()):  # eager (captured) and compiled (Inductor) forms
+            past = (keys.clone(), values.clone())  # stacked per layer, as the compiled sampler keeps it
+            logits, _, _ = forward(model, **window, past=past, in_place=True)
+            torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+            for stored, fresh, before in ((past[0], fresh_keys, keys), (past[1], fresh_values, values)):
+                torch.testing.assert_close(stored[:, :, :, 4:8], fresh, rtol=1e-5, atol=1e-5)
+                assert torch.equal(stored[:, :, :, :4], before[:, :, :, :4])
+                assert torch.equal(stored[:, :, :, 8:], before[:, :, :, 8:])
+                assert not torch.allclose(stored[:, :, :, 4:8], before[:, :, :, 4:8])

@@ -15,9 +15,12 @@ sampler differs from the eager one in how it calls the model only:
 - without a cache the query is the whole canvas; with the dual cache it is the block (keys: the whole
   canvas), with the prefix cache the block and everything after it (one graph per block: its width
   changes), and the cache's refresh at a block start is a whole-canvas forward,
-- cached keys / values are spliced in with `index_copy` at tensor-valued slots (no Python int that
-  would specialise the graph per block), and the refreshed keys / values are returned and copied into
-  the cache outside the graph (a graph must not mutate its inputs),
+- cached keys / values are spliced in with `index_copy_` at tensor-valued slots (no Python int that
+  would specialise the graph per block), in place: a window step writes its fresh keys / values into the
+  cache (every later step recomputes those slots before it reads them, so the tokens are the same) instead of
+  copying the whole canvas' keys / values per layer; out of place under Inductor's own CUDA graphs
+  ("reduce-overhead"), which skip graphs that mutate an input. The refreshed keys / values are returned and
+  copied into the cache outside the graph,
 - the LM head runs on the window's positions through `index_select` (static width).
 
 Tokens equal the eager sampler's (tests, CPU); only bidirectional models' caches and the uncached
@@ -67,30 +70,33 @@ def resolve_compile(value, device: torch.device) -> str | None:
 
 class _SplicedKV:
     """Duck-types the `kv_cache` argument of `DLMAttention`: returns the cached keys / values with the
-    query slots replaced (out of place) and remembers the fresh ones."""
+    query slots replaced (in the cache itself with `in_place`, else in a copy) and remembers the fresh ones."""
 
-    def __init__(self, past, slots):
-        self.past, self.slots, self.fresh = past, slots, []
+    def __init__(self, past, slots, in_place: bool = False):
+        self.past, self.slots, self.in_place, self.fresh = past, slots, in_place, []
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
         self.fresh.append((key, value))
         if self.past is None:
             return key, value
         cached_key, cached_value = self.past[0][layer_idx], self.past[1][layer_idx]
+        if self.in_place:  # a scatter of the window's slots; out of place copies every slot of the canvas
+            return (cached_key.index_copy_(2, self.slots, key.to(cached_key.dtype)),
+                    cached_value.index_copy_(2, self.slots, value.to(cached_value.dtype)))
         return (cached_key.index_copy(2, self.slots, key.to(cached_key.dtype)),
                 cached_value.index_copy(2, self.slots, value.to(cached_value.dtype)))
 
 
 def static_forward(model, input_ids, position_ids, key_padding, key_position_ids, head_index, past=None, slots=None,
-                   return_kv: bool = False):
+                   return_kv: bool = False, in_place: bool = False):
     """One sampler forward with static shapes.
 
     input_ids / position_ids (b, Q): the query slots; key_padding / key_position_ids (b, K): the whole
     canvas (1 = real token); head_index (W,): the query offsets whose logits are wanted; past: per layer
     (key, value) (b, nkv, K, hd) of the whole canvas, or None when the query is the whole canvas;
-    slots (Q,): the canvas slots of the query. -> logits (b, W, V) [, keys (n_layers, b, nkv, Q, hd),
-    values (same)]."""
-    cache = _SplicedKV(past, slots)
+    slots (Q,): the canvas slots of the query; in_place: the query's fresh keys / values written into `past`
+    (see the module docstring). -> logits (b, W, V) [, keys (n_layers, b, nkv, Q, hd), values (same)]."""
+    cache = _SplicedKV(past, slots, in_place)
     # queries are the last Q keys: exact for the whole canvas and the prefix cache; for the dual cache's
     # window the offset only reaches the self-clause of padded queries, and its queries are never padding
     hidden_states = model.model.forward_window(input_ids, None, position_ids, key_padding, key_position_ids, cache)
@@ -110,9 +116,9 @@ class _LayerSplicedKV(_SplicedKV):
         return super().update(0, key, value)
 
 
-def _static_layer(layer, hidden_states, mask, position_embeddings, past_key, past_value, slots):
+def _static_layer(layer, hidden_states, mask, position_embeddings, past_key, past_value, slots, in_place):
     """One decoder layer of `static_forward` -> (hidden states, its fresh keys, values)."""
-    cache = _LayerSplicedKV(None if past_key is None else ([past_key], [past_value]), slots)
+    cache = _LayerSplicedKV(None if past_key is None else ([past_key], [past_value]), slots, in_place)
     hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings, kv_cache=cache)
     return hidden_states, *cache.fresh[0]
 
@@ -127,13 +133,13 @@ class CompiledStaticForward:
         self.layer_step = torch.compile(_static_layer, dynamic=False, **compile_options)
 
     def __call__(self, model, input_ids, position_ids, key_padding, key_position_ids, head_index, past=None,
-                 slots=None, return_kv: bool = False):
+                 slots=None, return_kv: bool = False, in_place: bool = False):
         fresh = []
 
         def run_layer(i, layer, hidden_states, mask, position_embeddings):
             past_key, past_value = (None, None) if past is None else (past[0][i], past[1][i])
             hidden_states, key, value = self.layer_step(layer, hidden_states, mask, position_embeddings, past_key,
-                                                        past_value, slots)
+                                                        past_value, slots, in_place)
             fresh.append((key, value))
             return hidden_states
 

@@ -250,7 +250,8 @@ class DiffusionSampler:
         else:
             tensors.update(input_ids=x[:, query_start : query[1]], position_ids=positions[:, query_start : query[1]],
                            slots=torch.arange(query_start, query[1], device=device))
-            logits = self._call_compiled(tensors, past=self.static_past)
+            # in place: Inductor's own CUDA graphs would skip a graph that mutates an input
+            logits = self._call_compiled(tensors, past=self.static_past, in_place=not self.cudagraphs)
         self.forward_batch_sizes.append(x.shape[0])
         return logits.clone() if self.cudagraphs else logits  # a graph's output is overwritten by its next replay
 
@@ -308,7 +309,7 @@ class DiffusionSampler:
         layers = self.cache.layers
         past = ([layers[i][0] for i in range(len(layers))], [layers[i][1] for i in range(len(layers))])
         self.forward_batch_sizes.append(x.shape[0])
-        return self.graphs(static_forward, tensors, past=past)
+        return self.graphs(static_forward, tensors, past=past, in_place=True)
 
     def run(self, input_ids, attention_mask, streamer, callback):
         cfg, mask_id = self.config, self.mask_id

@@ -492,7 +492,10 @@ class ContinuousBatchingEngine:
         for (settings, _), index in groups.items():
             group = [rows[i] for i in index]
             try:
-                results.append(self._commit_group(group, logits[index], settings))
+                # rows in a run (one group: all of them) are a view; a list index gathers a copy of their logits
+                contiguous = index == list(range(index[0], index[0] + len(index)))
+                rows_logits = logits[index[0]: index[0] + len(index)] if contiguous else logits[index]
+                results.append(self._commit_group(group, rows_logits, settings))
                 order += index
             except Exception as error:  # noqa: BLE001 (one group's failure is its rows' alone)
                 for row in group:

@@ -215,6 +215,17 @@ def compiled_greedy_scores(choice: str):
     return _COMPILED_SCORES[backend]
 
 
+def warm_greedy_scores(choice: str, vocab_size: int, dtype: torch.dtype, device, mask_id: int | None) -> None:
+    """Compiles `compiled_greedy_scores` for every greedy remasking rule, for one row and for several (Dynamo
+    gives a size of 1 a graph of its own): a server's warm-up, so that no request waits for the compiler. Call it
+    in the grad mode of the steps (a graph is kept per mode)."""
+    for rows in (1, 2):
+        logits = torch.zeros((rows, 4, vocab_size), dtype=dtype, device=device)
+        for remasking in REMASKING:
+            if remasking != "random":  # drawn, never compiled
+                compiled_greedy_scores(choice)(logits, mask_id, remasking)
+
+
 # ---- one step -----------------------------------------------------------------------------------------------
 def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.Tensor, settings: CommitSettings,
                 budget: torch.Tensor | None = None, generator: torch.Generator | None = None,
@@ -272,4 +283,4 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
 __all__ = ["COMMIT_RULES", "COUNT_RULES", "REMASKING", "CommitRule", "CommitSettings", "block_candidates",
            "budget_commits", "compiled_greedy_scores", "credit_logits",
            "decide_step", "editing_commits", "entropy_bound_commits", "factor_commits", "greedy_scores",
-           "threshold_commits", "without_mask"]
+           "threshold_commits", "warm_greedy_scores", "without_mask"]

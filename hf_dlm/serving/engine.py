@@ -32,7 +32,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from ..generation.configuration import DLMGenerationConfig
-from ..generation.commit_rules import CommitSettings, block_candidates, decide_step
+from ..generation.commit_rules import CommitSettings, block_candidates, decide_step, warm_greedy_scores
 from ..generation.compiled_step import COMPILE_CHOICES, MAX_COMPILED_GRAPHS, StepGraphs, resolve_compile
 from ..generation.row_schedule import RowSchedule
 from ..generation.sampling import block_bounds, finished_rows
@@ -390,8 +390,8 @@ class ContinuousBatchingEngine:
 
     def warmup(self, rows: int = 2, prompt_tokens: int = 4) -> dict:
         """Compiles the step before traffic, on the calling thread (vLLM compiles and captures at start-up too):
-        `rows` requests of `prompt_tokens` tokens decode one block, so the first client does not wait for the
-        compiler. The compiled step has dynamic sizes: later batches, refreshes and windows reuse its graph.
+        `rows` requests of `prompt_tokens` tokens decode one block, and the commit's greedy rules compile, so the
+        first client does not wait for the compiler. The compiled step has dynamic sizes: later batches, refreshes and windows reuse its graph.
         The counters are restored (warm-up is not traffic); returns {"seconds", "forwards", "graph_captures"}."""
         if self.has_work() or (self.thread is not None and self.thread.is_alive()):
             raise RuntimeError("warmup() runs before the engine takes requests (before start())")
@@ -407,6 +407,10 @@ class ContinuousBatchingEngine:
         failed = next((r for r in requests if r.error is not None), None)
         if failed is not None:
             raise RuntimeError(f"the engine's warm-up request failed: {failed.error!r}") from failed.error
+        if self.compile_choice is not None:  # the commit's graphs for the other greedy rules and for a lone row
+            with torch.inference_mode():
+                warm_greedy_scores(self.compile_choice, self.model.config.vocab_size,
+                                   self.model.get_input_embeddings().weight.dtype, self.device, self.mask_id)
         done = {"seconds": time.monotonic() - start, "forwards": self.stats["forward_passes"] - stats["forward_passes"],
                 "graph_captures": self.stats["graph_captures"] - stats["graph_captures"]}
         self.stats.update(stats)  # in place: /metrics and callers may hold the dict

@@ -4,10 +4,10 @@ one scale per output row, activations quantised per row on the fly, the GEMMs in
 is bounded by reading its weights (16 GB in bf16); float8 halves what is read.
 
 The embeddings and norms stay in their dtype, and by default the LM head too (its logits decide which token is
-committed; it is also the layer whose quantisation error is largest); `lm_head=True` takes it as well: at batch
-1 its bf16 read (1 GB at the LLaDA-8B shape) is 7 % of a float8 step (H100 profile, benchmarks/RESULTS.md). Needs
-torchao and a GPU with float8
-tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell)."""
+committed; it is also the layer whose quantisation error is largest). `lm_head=True` takes it as well: its bf16
+read is 7 % of a batch-1 float8 step at the LLaDA-8B shape, but on an H200 the step did not get faster (its
+activation quantisation adds kernels; benchmarks/RESULTS.md). Needs torchao and a GPU with float8 tensor cores
+(compute capability >= 8.9: Ada, Hopper, Blackwell)."""
 
 from __future__ import annotations
 

@@ -554,3 +554,31 @@ def test_a_step_mixing_a_block_start_with_windows_attends_in_two_calls_without_p
         first += count
     unsplit = RaggedStep(storage, [0, 1, 2, 3], starts, lengths, [24] * 4, by_lane=True, split=False)
     assert unsplit.tensors["long_index"] is None and tuple(unsplit.tensors["mask"].shape) == (4, 1, 24, 24)
+
+
+def test_grouped_query_attention_reads_the_storage_keys_and_values_without_copies(monkeypatch):
+    # 4 query heads on 2 kv heads: each SDPA call of the engine gets views of the slot storage (the query heads of a
+    # kv head stacked along the query axis), not keys / values repeated per query head (a copy of every row's
+    # canvas per layer and step); the tokens equal generate alone
+    model = tiny_model("sdpa")
+    assert model.config.num_attention_heads == 2 * model.config.num_key_value_heads
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    options = dict(max_new_tokens=8, block_length=4, steps=8, cache="dual", stop_on_eos=False)
+    alone = [model.generate(torch.tensor([ids]), **options)[0, len(ids):].tolist() for ids in prompts]
+    engine = ContinuousBatchingEngine(model, max_batch_size=2, preallocate=True, max_length=16)
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, **kwargs):
+        calls.append((query.shape[1], key.shape[1], key.untyped_storage().data_ptr(),
+                      value.untyped_storage().data_ptr()))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    requests = [GenerationRequest(ids, engine.sampling_params(**options)) for ids in prompts]
+    engine.submit(requests)
+    engine.run_until_idle()
+    assert [r.generated for r in requests] == alone
+    stored = {t.untyped_storage().data_ptr() for store in (engine.storage.keys, engine.storage.values)
+              for t in store.values()}
+    assert calls and all(q_heads == k_heads == 2 for q_heads, k_heads, _, _ in calls), calls
+    assert all(k in stored and v in stored for _, _, k, v in calls), calls

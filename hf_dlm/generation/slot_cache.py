@@ -308,12 +308,18 @@ def _attend(module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         keys = keys[:, :width].index_select(0, lanes).transpose(1, 2)  # (b, nkv, K, hd)
         values = values[:, :width].index_select(0, lanes).transpose(1, 2)
     queries = queries[index].transpose(1, 2)  # (b, nh, Q, hd)
-    if keys.shape[1] != queries.shape[1]:  # grouped-query attention
-        repeat = queries.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+    rows, heads, width_q, head_dim = queries.shape
+    groups = heads // keys.shape[1]
+    if groups > 1:
+        # grouped-query attention: the query heads of a kv head stacked along the query axis (head h reads kv head
+        # h // groups), the mask repeated for each; SDPA then reads the storage's keys / values as they are.
+        # Repeating the keys / values per query head copied every row's canvas per layer and step (SDPA's own
+        # enable_gqa falls back to its math kernel under a mask on CUDA)
+        queries = queries.reshape(rows, keys.shape[1], groups * width_q, head_dim)
+        mask = mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(rows, mask.shape[1], groups * width_q, -1)
     output = torch.nn.functional.scaled_dot_product_attention(
         queries, keys.to(queries.dtype), values.to(queries.dtype), attn_mask=mask, scale=module.scaling)
-    return output.transpose(1, 2)
+    return output.reshape(rows, heads, width_q, head_dim).transpose(1, 2)
 
 
 class _Allocating(RaggedKV):

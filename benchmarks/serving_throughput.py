@@ -9,7 +9,8 @@
    `--engine-mask bias,bool`: the all-at-once engine runs with the engine's additive-bias mask and with a boolean
    mask (an engine each), to compare the two on one machine.
    `--commit compiled,eager`: the all-at-once runs with the compiled greedy commit (the core's form) and with an
-   eager one (the form before 2026-12-07), on one machine.
+   eager one (the form before 2026-12-07), on one machine. `--engine-sdpa as-now,model-priority`: the engine's
+   attention under PyTorch's default SDPA priority and under the model's `sdpa_backends` (cuDNN first).
    `--profile-steps N`: one more run of the largest batch and of the arrivals, N steps of each under
    torch.profiler: wall time per step (without and with the profiler) against the device's kernel time per step,
    and the operators / kernels by time (`profile_*.txt`).
@@ -74,6 +75,10 @@ def parse_args():
     p.add_argument("--commit", default="compiled", help="the core part's all-at-once runs and the float8 part's, "
                    "comma-separated: compiled (a compiled generate or engine runs a greedy step's vocabulary-sized "
                    "work through torch.compile, the default since 2026-12-07), eager (that work eager, as before)")
+    p.add_argument("--engine-sdpa", default="as-now", help="the core part's all-at-once engine runs, comma-separated: "
+                   "as-now (the engine's attention under PyTorch's default SDPA priority: its memory-efficient kernel "
+                   "under a mask), model-priority (the engine compiled and run under the model's `sdpa_backends` "
+                   "priority, cuDNN first, as the model's own attention; Dynamo's caches are reset around it)")
     p.add_argument("--engine-mask", default="bias", help="the core part's all-at-once engine runs, comma-separated: "
                    "bias (the engine's attention mask, an additive bias built once per step), bool (a boolean mask, "
                    "converted by SDPA in every layer: the form before 2026-12-07, for a same-machine comparison)")
@@ -532,14 +537,18 @@ def core_benchmark(model, args, report):
     """generate vs engine on equal requests (all at once), and the engine with requests arriving over time."""
     import torch
 
+    from hf_dlm.modeling.modeling_dlm import sdpa_backend_context
     from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
 
     vocab, device = model.config.vocab_size, next(model.parameters()).device
     batches = [int(b) for b in args.batches.split(",")]
     compile_choice = compile_value(args)
-    masks = args.engine_mask.split(",")
+    masks, sdpas = args.engine_mask.split(","), args.engine_sdpa.split(",")
     if set(masks) - {"bias", "bool"}:
         raise SystemExit(f"--engine-mask: unknown {sorted(set(masks) - {'bias', 'bool'})} (choose from bias, bool)")
+    if set(sdpas) - {"as-now", "model-priority"}:
+        raise SystemExit(f"--engine-sdpa: unknown {sorted(set(sdpas) - {'as-now', 'model-priority'})} (choose from "
+                         "as-now, model-priority)")
 
     splits, pools = args.arrival_split.split(","), args.arrival_graph_pool.split(",")
     if set(splits) - {"yes", "no"}:
@@ -617,18 +626,26 @@ def core_benchmark(model, args, report):
                     out = model.generate(ids, compile=compile_choice, **options)
                     _sync()
                     generate_tps = batch * args.new_tokens / (time.perf_counter() - start)
-            for mask in masks:
+            for mask, sdpa in ((m, a) for m in masks for a in sdpas):
                 # the other forms' engines live for one batch: each holds its own preallocated storage and graphs
-                variant = engine if mask == masks[0] else new_engine(mask)
-                named = "" if len(masks) == 1 else f" ({mask} mask)"
-                with commit_form(commit):
+                first = mask == masks[0] and sdpa == sdpas[0]
+                if sdpa != "as-now":  # the compiled step chose its attention kernel when traced: trace it again
+                    torch._dynamo.reset()
+                variant = engine if first else new_engine(mask)
+                named = "" if len(masks) * len(sdpas) == 1 else f" ({mask} mask, SDPA {sdpa})"
+                priority = (sdpa_backend_context(model.config.sdpa_backends, device) if sdpa == "model-priority"
+                            else contextlib.nullcontext())
+                with commit_form(commit), priority:
                     log(f"{label}, batch {batch}, {commit} commit: engine{named} warm-up")
                     engine_run(batch, engine=variant)
                     log(f"{label}, batch {batch}, {commit} commit: engine{named} timed run")
                     engine_tps, steps, forwards, captures = engine_run(batch, engine=variant)
+                if sdpa != "as-now":  # the later runs trace under the default priority again
+                    torch._dynamo.reset()
                 same = sum(a == b for r, row_out in zip(last_requests, out[:, args.prompt_tokens:].tolist())
                            for a, b in zip(r.generated, row_out)) / (batch * args.new_tokens)
-                row = {"setting": label, "engine_mask": mask, "commit": commit, "batch": batch, "arrival": "all at once",
+                row = {"setting": label, "engine_mask": mask, "engine_sdpa": sdpa, "commit": commit, "batch": batch,
+                       "arrival": "all at once",
                        "generate_tok_s": round(generate_tps, 1), "engine_tok_s": round(engine_tps, 1),
                        "ratio": round(engine_tps / generate_tps, 3), "engine_steps": steps, "forwards": forwards,
                        "captures_in_timed_run": captures, "tokens_equal_to_generate": round(same, 4)}
@@ -640,7 +657,7 @@ def core_benchmark(model, args, report):
             continue
         all_at_once = next((r["engine_tok_s"] for r in report["core"] if r["setting"] == label
                             and r["engine_mask"] == masks[0] and r.get("commit") == commits[0]
-                            and r["batch"] == args.arrivals), None)
+                            and r.get("engine_sdpa") == sdpas[0] and r["batch"] == args.arrivals), None)
         # A shape is captured the second time it is seen, and this schedule has shapes that occur once per run:
         # runs repeat until one captures nothing (a server in its steady state), at most `ARRIVAL_RUNS`; each
         # run's figures are kept (the first run after the warm-up is what a server's second such burst sees).
@@ -855,7 +872,7 @@ def main():
         args.clients_in, args.switch_intervals = "process,thread", "0.001"
         args.fuse_projections, args.profile_steps, args.profile_skip = "no,yes", 2, 1
         args.engine_mask, args.arrival_split, args.arrival_graph_pool = "bias,bool", "yes,no", "shared,own"
-        args.commit = "compiled,eager"
+        args.commit, args.engine_sdpa = "compiled,eager", "as-now,model-priority"
         args.prompt_tokens, args.eval_docs, args.mc_num, args.eval_batch_size = 8, 10, 2, 8
         args.batches, args.new_tokens, args.arrivals, args.arrival_every = "2,4", 16, 4, 2
     if args.compile is None:

@@ -295,9 +295,10 @@ def test_serving_throughput_benchmark_tiny_core_part(tmp_path):
     assert all(r["forwards"] == r["engine_steps"] for r in report["core"])  # one forward per engine step
     # fp32: the engine's rows equal generate's batch rows (a margin for argmax near-ties between kernel paths),
     # with the mask as the engine's additive bias and in its boolean form (--engine-mask bias,bool), each with the
-    # compiled commit and the eager one (--commit compiled,eager)
+    # compiled commit and the eager one (--commit compiled,eager), under the default SDPA priority and the model's
     at_once = [r for r in report["core"] if r["arrival"] == "all at once"]
-    assert sorted(r["engine_mask"] for r in at_once) == ["bias"] * 8 + ["bool"] * 8
+    assert sorted(r["engine_mask"] for r in at_once) == ["bias"] * 16 + ["bool"] * 16
+    assert sorted({r["engine_sdpa"] for r in at_once}) == ["as-now", "model-priority"]
     assert all(r["tokens_equal_to_generate"] > 0.9 for r in at_once)
     # the profiled runs: steps 3-4 (1 skipped, 2 warm-up), timed without and with the profiler, each with its table
     assert [(p["schedule"], p["steps"]) for p in report["profile"]] == [

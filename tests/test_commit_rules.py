@@ -458,3 +458,23 @@ def test_a_compiled_generate_and_engine_commit_through_the_compiled_scores(monke
         engine.step()
     assert len(calls) > 8
     assert [r.generated for r in requests] == eager[:, 5:].tolist()
+
+
+@pytest.mark.parametrize("top_k,top_p", [(1, None), (3, None), (None, 0.3), (4, 0.9)])
+def test_a_greedy_step_commits_the_argmax_of_the_filtered_logits(top_k, top_p):
+    # greedy steps take the argmax of the logits without [MASK] and skip top-k / top-p (they never remove the
+    # argmax): the tokens equal LLaDA's argmax of the filtered, [MASK]-suppressed logits, written out here
+    from hf_dlm.generation.sampling import filter_logits
+
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 6, 40, generator=generator)
+    logits[0, :, 7] = 9.0  # [MASK] (id 7) the largest at every position of row 0
+    logits[1, 2, [4, 9]] = 12.0  # a tie: the lower id
+    current = torch.full((3, 6), 7)
+    settings = CommitSettings(top_k=top_k, top_p=top_p)
+    tokens, _ = decide_step(logits, current, torch.ones(3, 6, dtype=torch.bool), settings,
+                            budget=torch.full((3,), 6), mask_id=7)
+    suppressed = logits.clone()
+    suppressed[..., 7] = -torch.inf
+    assert torch.equal(tokens, filter_logits(suppressed, top_k, top_p).argmax(-1))
+    assert not tokens.eq(7).any() and tokens[1, 2] == 4

@@ -511,11 +511,17 @@ def drive(engine, requests, every: int = 0, on_step=None) -> None:
         raise RuntimeError(f"a benchmark request failed in the engine: {failed.error!r}") from failed.error
 
 
+def option_list(value: str, flag: str, allowed) -> list[str]:
+    """A comma-separated option's values, in order; an unknown one exits naming the flag and the choices."""
+    values = value.split(",")
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise SystemExit(f"{flag}: unknown {unknown} (choose from {', '.join(allowed)})")
+    return values
+
+
 def commit_forms(args) -> list[str]:
-    forms = args.commit.split(",")
-    if set(forms) - {"compiled", "eager"}:
-        raise SystemExit(f"--commit: unknown {sorted(set(forms) - {'compiled', 'eager'})} (choose from compiled, eager)")
-    return forms
+    return option_list(args.commit, "--commit", ("compiled", "eager"))
 
 
 @contextlib.contextmanager
@@ -543,19 +549,10 @@ def core_benchmark(model, args, report):
     vocab, device = model.config.vocab_size, next(model.parameters()).device
     batches = [int(b) for b in args.batches.split(",")]
     compile_choice = compile_value(args)
-    masks, sdpas = args.engine_mask.split(","), args.engine_sdpa.split(",")
-    if set(masks) - {"bias", "bool"}:
-        raise SystemExit(f"--engine-mask: unknown {sorted(set(masks) - {'bias', 'bool'})} (choose from bias, bool)")
-    if set(sdpas) - {"as-now", "model-priority"}:
-        raise SystemExit(f"--engine-sdpa: unknown {sorted(set(sdpas) - {'as-now', 'model-priority'})} (choose from "
-                         "as-now, model-priority)")
-
-    splits, pools = args.arrival_split.split(","), args.arrival_graph_pool.split(",")
-    if set(splits) - {"yes", "no"}:
-        raise SystemExit(f"--arrival-split: unknown {sorted(set(splits) - {'yes', 'no'})} (choose from yes, no)")
-    if set(pools) - {"shared", "own"}:
-        raise SystemExit(f"--arrival-graph-pool: unknown {sorted(set(pools) - {'shared', 'own'})} (choose from "
-                         "shared, own)")
+    masks = option_list(args.engine_mask, "--engine-mask", ("bias", "bool"))
+    sdpas = option_list(args.engine_sdpa, "--engine-sdpa", ("as-now", "model-priority"))
+    splits = option_list(args.arrival_split, "--arrival-split", ("yes", "no"))
+    pools = option_list(args.arrival_graph_pool, "--arrival-graph-pool", ("shared", "own"))
     variants = [(split, pool) for split in splits for pool in pools]
     commits = commit_forms(args)
 
@@ -588,9 +585,7 @@ def core_benchmark(model, args, report):
     prompts = torch.randint(0, vocab - 3, (max(batches + [args.arrivals]), args.prompt_tokens), generator=generator)
     rules = {"one": ("one token per step", dict(steps=args.new_tokens)),
              "threshold": ("threshold 0.9", dict(steps=args.new_tokens, threshold=0.9))}
-    unknown = set(args.rules.split(",")) - set(rules)
-    if unknown:
-        raise SystemExit(f"--rules: unknown {sorted(unknown)} (choose from {sorted(rules)})")
+    option_list(args.rules, "--rules", tuple(rules))
 
     def core_options(rule):
         return dict(max_new_tokens=args.new_tokens, block_length=args.block_length, cache="dual", temperature=0.0,
@@ -785,10 +780,8 @@ def float8_benchmark(model, args, report):
     # name -> (granularity, the LM head in float8 too)
     granularity = {"float8": ("row", False), "float8-tensor": ("tensor", False),
                    "float8-tensor-head": ("tensor", True)}
-    names, fusings = args.float8_weights.split(","), args.fuse_projections.split(",")
-    if set(names) - {"bf16", *granularity} or set(fusings) - {"no", "yes"}:
-        raise SystemExit(f"--float8-weights {args.float8_weights!r} / --fuse-projections {args.fuse_projections!r}: "
-                         f"choose from bf16, {', '.join(granularity)} / no, yes")
+    names = option_list(args.float8_weights, "--float8-weights", ("bf16", *granularity))
+    fusings = option_list(args.fuse_projections, "--fuse-projections", ("no", "yes"))
     commits = commit_forms(args)
     for fused, name in ((f, n) for f in fusings for n in names):
         base = name + ("_fused" if fused == "yes" else "")
@@ -877,9 +870,7 @@ def main():
         args.batches, args.new_tokens, args.arrivals, args.arrival_every = "2,4", 16, 4, 2
     if args.compile is None:
         args.compile = "none" if args.tiny else "true"
-    unknown = set(args.parts.split(",")) - {"core", "float8", "http", "eval"}
-    if unknown:
-        raise SystemExit(f"--parts: unknown {sorted(unknown)} (choose from core, float8, http, eval)")
+    option_list(args.parts, "--parts", ("core", "float8", "http", "eval"))
     import torch
 
     if args.torch_threads:

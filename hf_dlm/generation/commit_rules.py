@@ -248,11 +248,12 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
     if greedy:  # top-k / top-p never remove the argmax: the candidates are the argmax of the logits without [MASK]
         x0, scores = (compiled_greedy_scores(compile) if compile else greedy_scores)(logits, mask_id,
                                                                                       settings.remasking)
-        confidence = scores.masked_fill(~candidates, -torch.inf)
     else:
         masked_logits = without_mask(logits, mask_id)
         filtered = filter_logits(masked_logits, settings.top_k, settings.top_p)
         x0 = add_gumbel_noise(filtered, settings.temperature, generator).argmax(-1)
+        if rule != "entropy_bound":
+            scores = confidence_scores(logits, x0, settings.remasking, generator)
     if rule == "entropy_bound":
         # entropy of the distribution the token is drawn from: [MASK] suppressed, tempered and filtered when
         # sampling (diffusers / DiffusionGemma), the plain logits when greedy (SGLang)
@@ -261,9 +262,7 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
         entropy = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
         commit = entropy_bound_commits(entropy.masked_fill(~candidates, torch.inf), settings.entropy_bound)
     else:
-        if not greedy:
-            confidence = confidence_scores(logits, x0, settings.remasking, generator).masked_fill(~candidates,
-                                                                                                  -torch.inf)
+        confidence = scores.masked_fill(~candidates, -torch.inf)
         if rule == "threshold":
             commit = threshold_commits(confidence, settings.threshold, strict=settings.editing_threshold is not None)
         elif rule == "factor":
@@ -272,7 +271,7 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
             commit = budget_commits(confidence, budget)
     edited = torch.zeros(current.shape[0], dtype=torch.bool, device=current.device)
     if settings.editing_threshold is not None and editable is not None:
-        probability = scores if greedy and settings.remasking == "low_confidence" else \
+        probability = scores if settings.remasking == "low_confidence" and rule != "entropy_bound" else \
             confidence_scores(logits, x0, "low_confidence")
         edit = editing_commits(probability, x0, current, editable, settings.editing_threshold)
         commit, edited = commit | edit, edit.any(-1)

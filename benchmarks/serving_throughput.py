@@ -20,7 +20,8 @@
    steps and ms per step (from /metrics), against the engine alone on as many requests in the same pattern.
 3. float8: batch-1 `model.generate` (same shape and options, one token per step, dual cache, compiled) with
    bf16 weights and with float8 weights (`hf_dlm.generation.float8`; CUDA only), the projections separate or
-   fused (`--fuse-projections no,yes`), `float8-tensor-head` with the LM head in float8 too, each with the
+   fused (`--fuse-projections no,yes`), `float8-tensor-head` with the LM head in float8 too, `float8-static`
+   with activation scales calibrated once (`activation_scheme="static"`), each with the
    `--commit` forms: tokens/s and the share of tokens equal to bf16 decoding;
    `--profile-steps N` adds a profiled generate of each (device busy ms per token, kernel table).
 4. eval: a local multiple-choice task through `lm_eval.simple_evaluate` with the `hf-dlm` model (falls back
@@ -69,7 +70,9 @@ def parse_args():
     p.add_argument("--compile", default=None, help="'true' (default; 'none' with --tiny), 'none' or a "
                    "DLMGenerationConfig.compile value")
     p.add_argument("--float8-weights", default="bf16,float8", help="the float8 part's runs, in this order: bf16, "
-                   "float8 (row scales), float8-tensor (tensor scales); the share of equal tokens needs bf16")
+                   "float8 (row scales), float8-tensor (tensor scales), float8-tensor-head (and the LM head), "
+                   "float8-static (tensor scales, activation scales calibrated once on another prompt's eager "
+                   "generate), float8-static-head; the share of equal tokens needs bf16")
     p.add_argument("--fuse-projections", default="no", help="the float8 part's runs, comma-separated: no (q / k / v "
                    "and gate / up separate), yes (fused: model.fuse_projections())")
     p.add_argument("--commit", default="compiled", help="the core part's all-at-once runs and the float8 part's, "
@@ -91,6 +94,8 @@ def parse_args():
                    "for the GIL that the event loop holds")
     p.add_argument("--http-parser", default="auto", choices=("auto", "h11", "httptools"),
                    help="uvicorn's HTTP parser (auto: httptools where installed, as `hf-dlm serve`)")
+    p.add_argument("--cache", default="dual", choices=("none", "prefix", "dual"), help="http part: the requests' KV cache (none, prefix, dual); the "
+                   "issue's setting is dual, the HTTP figures before 2026-12-07's eleventh session ran without one")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-length", type=int, default=32)
@@ -161,7 +166,7 @@ async def run_level(url, clients, args, vocab, rng, stream=True):
                 return
             body = {"prompt": [rng.randrange(vocab - 3) for _ in range(args.prompt_tokens)], "stream": stream,
                     "max_tokens": args.max_tokens, "block_length": args.block_length, "steps": args.steps,
-                    "temperature": 0}
+                    "temperature": 0, "cache": args.cache}
             start, first = time.monotonic(), None
             async with http.stream("POST", url + "/v1/completions", json=body) as response:
                 assert response.status_code == 200, await response.aread()
@@ -206,7 +211,8 @@ def engine_alone(engine, count, args, vocab, rng, clients=None):
 
     clients = min(clients or count, count)
     params = engine.sampling_params(max_new_tokens=-(-args.max_tokens // args.block_length) * args.block_length,
-                                    block_length=args.block_length, steps=args.steps, temperature=0.0)
+                                    block_length=args.block_length, steps=args.steps, temperature=0.0,
+                                    cache=args.cache)
     for _ in range(2):
         left = [count // clients + (k < count % clients) for k in range(clients)]  # requests per client
         done, finished = [], []
@@ -277,7 +283,8 @@ def http_row(clients, stream, timings, wall, before, after, alone, alone_runs, a
         alone_runs[key] = engine_alone(alone, len(timings), args, vocab, rng, clients)
     alone_run = alone_runs[key]
     engine_tps, steps = alone_run["tokens_per_s"], delta["hf_dlm_engine_steps_total"]
-    return {"clients": clients, "stream": stream, "requests": len(timings), "wall_s": round(wall, 2),
+    return {"clients": clients, "stream": stream, "cache": args.cache, "new_tokens": args.max_tokens,
+            "steps_per_request": args.steps, "requests": len(timings), "wall_s": round(wall, 2),
             "requests_per_s": round(len(timings) / wall, 2), "output_tokens_per_s": round(http_tps, 1),
             "engine_alone_tokens_per_s": round(engine_tps, 1), "http_over_engine": round(http_tps / engine_tps, 3),
             "first_block_mean_s": round(statistics.mean(first), 3),
@@ -777,9 +784,12 @@ def float8_benchmark(model, args, report):
     options = dict(max_new_tokens=args.new_tokens, block_length=args.block_length, steps=args.new_tokens,
                    cache="dual", temperature=0.0, stop_on_eos=False, compile=compile_value(args))
     rows, report["float8"] = {}, {"batch": 1}
-    # name -> (granularity, the LM head in float8 too)
-    granularity = {"float8": ("row", False), "float8-tensor": ("tensor", False),
-                   "float8-tensor-head": ("tensor", True)}
+    # name -> (granularity, the LM head in float8 too, activation scheme)
+    granularity = {"float8": ("row", False, "dynamic"), "float8-tensor": ("tensor", False, "dynamic"),
+                   "float8-tensor-head": ("tensor", True, "dynamic"), "float8-static": ("tensor", False, "static"),
+                   "float8-static-head": ("tensor", True, "static")}
+    calibration_ids = torch.randint(0, model.config.vocab_size - 3, ids.shape,  # not the timed prompt
+                                    generator=torch.Generator().manual_seed(2)).to(ids.device)
     names = option_list(args.float8_weights, "--float8-weights", ("bf16", *granularity))
     fusings = option_list(args.fuse_projections, "--fuse-projections", ("no", "yes"))
     commits = commit_forms(args)
@@ -792,9 +802,13 @@ def float8_benchmark(model, args, report):
         if fused == "yes":
             target.fuse_projections()
         if name != "bf16":
-            scales, head = granularity[name]
-            log(f"float8: quantizing a copy of the model ({scales} scales{', LM head too' if head else ''})")
-            quantize_float8_for_decoding(target, scales, lm_head=head)
+            scales, head, scheme = granularity[name]
+            log(f"float8: quantizing a copy of the model ({scales} scales, {scheme} activation scales"
+                f"{', LM head too' if head else ''})")
+            # a static scheme's calibration: one eager generate of another prompt with the timed options
+            calibrate = lambda m: m.generate(calibration_ids, **{**options, "compile": None})  # noqa: E731
+            quantize_float8_for_decoding(target, scales, lm_head=head, activation_scheme=scheme,
+                                         calibrate=calibrate if scheme == "static" else None)
         for commit in commits:  # one model, its compiled forward shared by the commit forms
             key = base + ("" if commit == "compiled" else "_eager_commit")
             with commit_form(commit):

@@ -53,8 +53,9 @@ def quantize_float8_for_decoding(model: torch.nn.Module, granularity: str = "row
     `granularity` "row" (the default) or "tensor" (one scale per weight and per activation: cuBLAS's float8
     GEMM instead of the row-scaled one); `lm_head`: the LM head in float8 too (a tied head gets a float8 copy, the
     embeddings keep theirs). `activation_scheme` "dynamic" (scales from each step's activations) or "static"
-    (tensor granularity only): `calibrate(model)` runs representative decoding (e.g. `model.generate` on a few
-    prompts) while each projection records the largest activation it sees; its scale is then fixed. Raises an
+    (tensor granularity only): `calibrate(model)` runs representative decoding (e.g. an eager `model.generate`,
+    `compile=None`, on a few prompts) while each projection records the largest activation it sees; its scale is
+    then fixed. Raises an
     ImportError naming the extra without torchao, a RuntimeError without a float8-capable GPU, a ValueError for
     another granularity or scheme, a static scheme without `calibrate`, or a projection the calibration never
     reached (the model is then left as it was)."""

@@ -134,3 +134,28 @@ def test_fused_projections_keep_their_split_through_calibration_conversion_and_a
     assert model.model.layers[0].self_attn.qkv_proj.split_sizes == (32, 16, 16)
     tokens, expected = _decode(model), _decode(reference)
     assert (tokens[:, :6] == expected[:, :6]).all() and not (tokens[:, 6:] == 95).any()
+
+
+def test_the_engine_serves_a_static_float8_model_with_generates_tokens(float8):
+    # the engine packs every row's tokens into one (1, tokens, hidden) forward: the calibrated per-tensor scale
+    # must take that shape as it takes generate's (float32 activations: exact on a CPU)
+    from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
+
+    model = tiny_model("sdpa", vocab_size=96, mask_token_id=95, hidden_size=32, intermediate_size=64, eos_token_id=5)
+    model.fuse_projections()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 90, (4 + i,), generator=generator).tolist() for i in range(4)]
+    options = dict(max_new_tokens=16, block_length=8, cache="dual", stop_on_eos=False, temperature=0.0)
+    float8.quantize_float8_for_decoding(
+        model, "tensor", activation_scheme="static",
+        calibrate=lambda m: [m.generate(torch.tensor([prompt]), **options) for prompt in prompts])
+    assert type(model.model.layers[0].self_attn.qkv_proj.weight).__name__ == "PrototypeFloat8Tensor"
+    engine = ContinuousBatchingEngine(model, max_batch_size=4)
+    requests = [GenerationRequest(prompt, engine.sampling_params(**options)) for prompt in prompts]
+    for request in requests:  # one joins before each step, while the others run
+        engine.submit([request])
+        engine.step()
+    while engine.has_work():
+        engine.step()
+    for prompt, request in zip(prompts, requests):
+        assert request.generated == model.generate(torch.tensor([prompt]), **options)[0, len(prompt):].tolist()

@@ -159,3 +159,13 @@ def test_the_engine_serves_a_static_float8_model_with_generates_tokens(float8):
         engine.step()
     for prompt, request in zip(prompts, requests):
         assert request.generated == model.generate(torch.tensor([prompt]), **options)[0, len(prompt):].tolist()
+
+
+def test_a_tied_lm_head_takes_a_static_float8_copy_and_the_embeddings_keep_theirs(float8):
+    model = tiny_model("sdpa", vocab_size=96, mask_token_id=95, tie_word_embeddings=True).to(torch.bfloat16)
+    float8.quantize_float8_for_decoding(model, "tensor", lm_head=True, activation_scheme="static", calibrate=_decode)
+    assert type(model.lm_head.weight).__name__ == "PrototypeFloat8Tensor"
+    assert model.lm_head.weight.act_quant_scale.item() > 0
+    assert type(model.model.embed_tokens.weight) is torch.nn.Parameter
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert _decode(model).shape == (2, 14)

@@ -94,8 +94,9 @@ def parse_args():
                    "for the GIL that the event loop holds")
     p.add_argument("--http-parser", default="auto", choices=("auto", "h11", "httptools"),
                    help="uvicorn's HTTP parser (auto: httptools where installed, as `hf-dlm serve`)")
-    p.add_argument("--cache", default="dual", choices=("none", "prefix", "dual"), help="http part: the requests' KV cache (none, prefix, dual); the "
-                   "issue's setting is dual, the HTTP figures before 2026-12-07's eleventh session ran without one")
+    p.add_argument("--cache", default="dual", choices=("none", "prefix", "dual"), help="http part: the requests' "
+                   "KV cache; the issue's setting is dual, the HTTP figures before 2026-12-07's eleventh session ran "
+                   "without one")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-length", type=int, default=32)
@@ -790,6 +791,10 @@ def float8_benchmark(model, args, report):
                    "float8-static-head": ("tensor", True, "static")}
     calibration_ids = torch.randint(0, model.config.vocab_size - 3, ids.shape,  # not the timed prompt
                                     generator=torch.Generator().manual_seed(2)).to(ids.device)
+
+    def calibrate(target):  # a static scheme's calibration: one eager generate of another prompt, the timed options
+        target.generate(calibration_ids, **{**options, "compile": None})
+
     names = option_list(args.float8_weights, "--float8-weights", ("bf16", *granularity))
     fusings = option_list(args.fuse_projections, "--fuse-projections", ("no", "yes"))
     commits = commit_forms(args)
@@ -805,8 +810,6 @@ def float8_benchmark(model, args, report):
             scales, head, scheme = granularity[name]
             log(f"float8: quantizing a copy of the model ({scales} scales, {scheme} activation scales"
                 f"{', LM head too' if head else ''})")
-            # a static scheme's calibration: one eager generate of another prompt with the timed options
-            calibrate = lambda m: m.generate(calibration_ids, **{**options, "compile": None})  # noqa: E731
             quantize_float8_for_decoding(target, scales, lm_head=head, activation_scheme=scheme,
                                          calibrate=calibrate if scheme == "static" else None)
         for commit in commits:  # one model, its compiled forward shared by the commit forms

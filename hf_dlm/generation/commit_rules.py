@@ -195,8 +195,9 @@ _COMPILED_SCORES: dict = {}
 
 
 def compiled_greedy_scores(choice: str):
-    """`greedy_scores` through torch.compile (every size dynamic: the engine's groups vary). Eager, a step reads the (B, W, V) logits some ten times (the float64 upcast, the max, the exponentials, the
-    sum, the [MASK] fill): 12 % of an 8B engine step at batch 64 (H100 profile, benchmarks/RESULTS.md); Inductor
+    """`greedy_scores` through torch.compile (every size dynamic: the engine's groups vary). Eager, a step reads
+    the (B, W, V) logits some ten times (the float64 upcast, the max, the exponentials, the sum, the [MASK]
+    fill): 12 % of an 8B engine step at batch 64 (H100 profile, benchmarks/RESULTS.md); Inductor
     fuses them into reductions that read the logits once or twice. `choice` "eager" / "cudagraphs" trace only
     (no Inductor, as those choices promise); any other compiles with Inductor's default mode (the forward's
     CUDA graphs are the sampler's own, `StepGraphs`)."""

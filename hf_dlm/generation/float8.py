@@ -71,8 +71,8 @@ def quantize_float8_for_decoding(model: torch.nn.Module, granularity: str = "row
                          f"{calibrate!r})")
     require("torchao", "float8 decoding (quantize_float8_for_decoding)", "0.10")
     _require_float8_gpu(next(model.parameters()).device)
-    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8StaticActivationFloat8WeightConfig,
-                                      PerRow, PerTensor, quantize_)
+    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig,
+                                      Float8StaticActivationFloat8WeightConfig, PerRow, PerTensor, quantize_)
 
     head = getattr(model, "lm_head", None)
     if lm_head and (not isinstance(head, torch.nn.Linear) or head.in_features % 16 or head.out_features % 16):
@@ -84,14 +84,15 @@ def quantize_float8_for_decoding(model: torch.nn.Module, granularity: str = "row
     # float32 matmul precision) for the whole process; on the GPU that made the 8B decoder's first compile take
     # 467 s instead of 107 (benchmarks/RESULTS.md), and it would change every later compile the process makes
     if not static:
-        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow() if granularity == "row" else PerTensor(),
-                                                           set_inductor_config=False)
-        quantize_(model, config, filter_fn=taken)
+        scales = PerRow() if granularity == "row" else PerTensor()
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=scales, set_inductor_config=False),
+                  filter_fn=taken)
         return model
     # torchao's prepare and convert put new modules in place: the attributes of ours (a fused projection's
     # `split_sizes`) are carried over by name
     extras = {name: _own_attributes(module) for name, module in model.named_modules() if taken(module, name)}
-    quantize_(model, Float8StaticActivationFloat8WeightConfig(step="prepare", set_inductor_config=False), filter_fn=taken)
+    quantize_(model, Float8StaticActivationFloat8WeightConfig(step="prepare", set_inductor_config=False),
+              filter_fn=taken)
     _set_attributes(model, extras)
     observed = {name: module for name, module in model.named_modules() if hasattr(module, "input_act_obs")}
     try:

@@ -391,7 +391,8 @@ class ContinuousBatchingEngine:
     def warmup(self, rows: int = 2, prompt_tokens: int = 4) -> dict:
         """Compiles the step before traffic, on the calling thread (vLLM compiles and captures at start-up too):
         `rows` requests of `prompt_tokens` tokens decode one block, and the commit's greedy rules compile, so the
-        first client does not wait for the compiler. The compiled step has dynamic sizes: later batches, refreshes and windows reuse its graph.
+        first client does not wait for the compiler. The compiled step has dynamic sizes: later batches, refreshes
+        and windows reuse its graph.
         The counters are restored (warm-up is not traffic); returns {"seconds", "forwards", "graph_captures"}."""
         if self.has_work() or (self.thread is not None and self.thread.is_alive()):
             raise RuntimeError("warmup() runs before the engine takes requests (before start())")

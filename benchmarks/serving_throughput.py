@@ -58,7 +58,7 @@ def parse_args():
                    "1 leaves a core to the server's event loop as a GPU does")
     p.add_argument("--batches", default="16,64")
     p.add_argument("--rules", default="one,threshold", help="comma-separated core settings: one (one token per step), "
-                   "threshold (threshold 0.9)")
+                   "threshold (threshold 0.9), sampled (threshold 0.9 at temperature 0.9, as GRPO rollouts)")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--arrivals", type=int, default=64, help="requests of the arrivals run (0: no arrivals run)")
     p.add_argument("--arrival-every", type=int, default=8, help="engine steps between two arrivals")
@@ -76,8 +76,9 @@ def parse_args():
     p.add_argument("--fuse-projections", default="no", help="the float8 part's runs, comma-separated: no (q / k / v "
                    "and gate / up separate), yes (fused: model.fuse_projections())")
     p.add_argument("--commit", default="compiled", help="the core part's all-at-once runs and the float8 part's, "
-                   "comma-separated: compiled (a compiled generate or engine runs a greedy step's vocabulary-sized "
-                   "work through torch.compile, the default since 2026-12-07), eager (that work eager, as before)")
+                   "comma-separated: compiled (a compiled generate or engine runs a step's vocabulary-sized work "
+                   "through torch.compile: greedy steps since 2026-12-07, sampled ones since the twelfth session), "
+                   "eager (that work eager, as before)")
     p.add_argument("--engine-sdpa", default="as-now", help="the core part's all-at-once engine runs, comma-separated: "
                    "as-now (the engine's attention under PyTorch's default SDPA priority: its memory-efficient kernel "
                    "under a mask), model-priority (the engine compiled and run under the model's `sdpa_backends` "
@@ -534,17 +535,18 @@ def commit_forms(args) -> list[str]:
 
 @contextlib.contextmanager
 def commit_form(form: str):
-    """compiled: the core as it is; eager: a greedy step's vocabulary-sized work eager whatever the forward (the
-    core before 2026-12-07), for a same-machine comparison."""
+    """compiled: the core as it is; eager: a step's vocabulary-sized work eager whatever the forward (the core
+    before 2026-12-07), for a same-machine comparison."""
     from hf_dlm.generation import commit_rules
 
-    original = commit_rules.compiled_greedy_scores
+    original = commit_rules.compiled_greedy_scores, commit_rules.compiled_sampled_scores
     if form == "eager":
         commit_rules.compiled_greedy_scores = lambda choice: commit_rules.greedy_scores
+        commit_rules.compiled_sampled_scores = lambda choice: commit_rules.sampled_scores
     try:
         yield
     finally:
-        commit_rules.compiled_greedy_scores = original
+        commit_rules.compiled_greedy_scores, commit_rules.compiled_sampled_scores = original
 
 
 def core_benchmark(model, args, report):
@@ -592,12 +594,13 @@ def core_benchmark(model, args, report):
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab - 3, (max(batches + [args.arrivals]), args.prompt_tokens), generator=generator)
     rules = {"one": ("one token per step", dict(steps=args.new_tokens)),
-             "threshold": ("threshold 0.9", dict(steps=args.new_tokens, threshold=0.9))}
+             "threshold": ("threshold 0.9", dict(steps=args.new_tokens, threshold=0.9)),
+             "sampled": ("threshold 0.9, temperature 0.9", dict(steps=args.new_tokens, threshold=0.9, temperature=0.9))}
     option_list(args.rules, "--rules", tuple(rules))
 
     def core_options(rule):
-        return dict(max_new_tokens=args.new_tokens, block_length=args.block_length, cache="dual", temperature=0.0,
-                    stop_on_eos=False, **rule)
+        return {**dict(max_new_tokens=args.new_tokens, block_length=args.block_length, cache="dual", temperature=0.0,
+                       stop_on_eos=False), **rule}
 
     def make_requests(count, options):
         return [GenerationRequest(prompts[i].tolist(), engine.sampling_params(**options)) for i in range(count)]

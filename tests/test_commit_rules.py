@@ -460,6 +460,76 @@ def test_a_compiled_generate_and_engine_commit_through_the_compiled_scores(monke
     assert [r.generated for r in requests] == eager[:, 5:].tolist()
 
 
+def test_compiled_sampled_scores_equal_a_hand_gumbel_draw_and_never_pick_the_mask():
+    """The compiled sampled step (Gumbel-max in float64 over the logits without [MASK], noise from the caller):
+    x0 is argmax(exp(logit) / (-log u)^T) written out by hand, its confidence p(x0) in float64."""
+    from torch._dynamo.utils import counters
+
+    from hf_dlm.generation.commit_rules import compiled_sampled_scores, sampled_scores
+
+    compiled = compiled_sampled_scores("default")
+    generator = torch.Generator().manual_seed(4)
+    for batch, width, temperature in ((3, 8, 0.7), (5, 8, 1.0), (2, 6, 0.7)):
+        logits = torch.randn(batch, width, 40, generator=generator)
+        logits[..., 7] = 50.0  # [MASK] (id 7) would win every draw: it must never be x0
+        noise = torch.rand(logits.shape, dtype=torch.float64, generator=generator)
+        for remasking in ("low_confidence", "margin", "entropy"):
+            tensor = torch.tensor(temperature, dtype=torch.float64)
+            x0, confidence = compiled(logits, noise, 7, tensor, remasking)
+            eager_x0, eager_confidence = sampled_scores(logits, noise, 7, tensor, remasking)
+            assert torch.equal(x0, eager_x0) and confidence.dtype == torch.float64
+            torch.testing.assert_close(confidence, eager_confidence, rtol=1e-12, atol=1e-15)
+            assert not x0.eq(7).any()
+        row, u = logits[1, 2].double(), noise[1, 2]
+        keys = [row[v].exp().item() / (-u[v].log().item()) ** temperature if v != 7 else 0.0 for v in range(40)]
+        x0, low = compiled(logits, noise, 7, torch.tensor(temperature, dtype=torch.float64), "low_confidence")
+        assert x0[1, 2].item() == max(range(40), key=keys.__getitem__)
+        assert low[1, 2].item() == pytest.approx(float(row[x0[1, 2]].exp() / row.exp().sum()), rel=1e-12)
+    graphs = counters["stats"]["unique_graphs"]
+    for temperature in (0.3, 0.9, 1.7):  # one graph for every temperature (a float would compile one each)
+        compiled(logits, noise, 7, torch.tensor(temperature, dtype=torch.float64), "margin")
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_compiled_sampled_generate_and_engine_draw_the_eager_tokens(monkeypatch):
+    """Sampling (temperature > 0) under compile takes the compiled sampled scores each step and draws the same
+    tokens as eager generate from the same seed: the noise comes from the row's generator either way. Top-k
+    and random remasking stay on the eager path (their draws differ)."""
+    from hf_dlm.generation import commit_rules
+    from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
+
+    calls = []
+    original = commit_rules.compiled_sampled_scores
+
+    def recording(choice):
+        calls.append(choice)
+        return original(choice)
+
+    monkeypatch.setattr(commit_rules, "compiled_sampled_scores", recording)
+    model = tiny_model(seed=3)
+    prompt = torch.randint(0, 60, (2, 5), generator=torch.Generator().manual_seed(1))
+    options = dict(max_new_tokens=8, block_length=4, steps=8, cache="dual", temperature=0.9, stop_on_eos=False)
+    eager = model.generate(prompt, **options, generator=torch.Generator().manual_seed(5))
+    assert calls == []
+    compiled = model.generate(prompt, **options, compile="eager", generator=torch.Generator().manual_seed(5))
+    assert len(calls) == 8 and set(calls) == {"eager"}
+    assert torch.equal(compiled, eager)
+    assert not torch.equal(eager, model.generate(prompt, **options, generator=torch.Generator().manual_seed(6)))
+    for other in (dict(top_k=5), dict(remasking="random")):
+        calls.clear()
+        model.generate(prompt, **options | other, compile="eager", generator=torch.Generator().manual_seed(5))
+        assert calls == []
+    calls.clear()
+    engine = ContinuousBatchingEngine(model, max_batch_size=4, compile="eager")
+    request = GenerationRequest(prompt[0].tolist(), engine.sampling_params(**options, seed=5))
+    engine.submit([request])
+    while engine.has_work():
+        engine.step()
+    assert len(calls) == 8
+    alone = model.generate(prompt[:1], **options, generator=torch.Generator().manual_seed(5))
+    assert request.generated == alone[0, 5:].tolist()
+
+
 @pytest.mark.parametrize("top_k,top_p", [(1, None), (3, None), (None, 0.3), (4, 0.9)])
 def test_a_greedy_step_commits_the_argmax_of_the_filtered_logits(top_k, top_p):
     # greedy steps take the argmax of the logits without [MASK] and skip top-k / top-p (they never remove the

@@ -92,8 +92,8 @@ def test_compiled_step_compiles_once_across_row_counts_and_phases(monkeypatch):
 def test_warmup_compiles_the_step_before_traffic_and_leaves_the_counters():
     # `hf-dlm serve --compile` warms the engine up before it listens: the first client must not wait for the
     # compiler (minutes at 8B). After warmup() the requests of a long run (rows alone and joined, refresh and
-    # window steps, cached and uncached, each greedy remasking rule in the compiled commit) compile nothing, and
-    # their tokens still equal generate alone
+    # window steps, cached and uncached, each remasking rule in the compiled commit, greedy or sampled) compile
+    # nothing, and their tokens still equal generate alone
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -108,18 +108,20 @@ def test_warmup_compiles_the_step_before_traffic_and_leaves_the_counters():
     assert engine.stats["forward_passes"] == engine.stats["requests_finished"] == engine.stats["engine_steps"] == 0
     assert not engine.has_work() and engine.storage.lanes == 3
     requests = []
-    for length, cache, remasking in ((4, "none", "margin"), (7, "dual", "entropy"), (5, "prefix", "low_confidence")):
+    for length, cache, remasking, temperature in ((4, "none", "margin", 0.0), (7, "dual", "entropy", 0.0),
+                                                  (5, "prefix", "low_confidence", 0.0), (6, "dual", "margin", 0.7)):
         ids = list(range(10, 10 + length))
         options = dict(max_new_tokens=16, block_length=8, steps=16, cache=cache, stop_on_eos=False,
-                       remasking=remasking)
-        requests.append((ids, options, GenerationRequest(ids, engine.sampling_params(**options))))
+                       remasking=remasking, temperature=temperature)
+        requests.append((ids, options, GenerationRequest(ids, engine.sampling_params(**options, seed=3))))
         engine.submit([requests[-1][2]])
         engine.step()
     engine.run_until_idle()
     assert counters["stats"]["unique_graphs"] == warm, dict(counters["stats"])
-    for ids, options, request in requests:
-        assert request.generated == model.generate(torch.tensor([ids]), **options)[0, len(ids):].tolist(), options
-    assert engine.stats["requests_finished"] == 3
+    for ids, options, request in requests:  # the sampled request draws from its seed, as generate's generator
+        alone = model.generate(torch.tensor([ids]), **options, generator=torch.Generator().manual_seed(3))
+        assert request.generated == alone[0, len(ids):].tolist(), options
+    assert engine.stats["requests_finished"] == 4
     engine.start()
     with pytest.raises(RuntimeError, match="before start"):
         engine.warmup()

@@ -137,11 +137,12 @@ def emulate_step_graphs(monkeypatch) -> list:
 
 
 def eager_commit(monkeypatch) -> None:
-    """The compiled sampler's and engine's greedy scores run eagerly (`compiled_greedy_scores`): a test that counts
-    Dynamo's graphs then counts the model step's alone."""
+    """The compiled sampler's and engine's commit scores run eagerly (`compiled_greedy_scores`,
+    `compiled_sampled_scores`): a test that counts Dynamo's graphs then counts the model step's alone."""
     from hf_dlm.generation import commit_rules
 
     monkeypatch.setattr(commit_rules, "compiled_greedy_scores", lambda choice: commit_rules.greedy_scores)
+    monkeypatch.setattr(commit_rules, "compiled_sampled_scores", lambda choice: commit_rules.sampled_scores)
 
 
 def set_attn(model, implementation: str):

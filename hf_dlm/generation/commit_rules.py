@@ -191,39 +191,64 @@ def greedy_scores(logits: torch.Tensor, mask_id: int | None, remasking: str):
     return x0, confidence_scores(logits, x0, remasking)
 
 
+def sampled_scores(logits: torch.Tensor, noise: torch.Tensor, mask_id: int | None, temperature: torch.Tensor,
+                   remasking: str):
+    """(B, W, V) logits, (B, W, V) float64 uniform noise -> (x0: the Gumbel-max draw of `add_gumbel_noise` on the
+    logits without [MASK], its confidence `confidence_scores`). The noise is drawn by the caller, from the row's
+    generator, as the eager path draws it: the same seed gives the same tokens compiled or not. temperature: a
+    0-d float64 tensor (Dynamo compiles a graph per Python float, one for every tensor value)."""
+    x0 = (without_mask(logits, mask_id).to(torch.float64).exp() / (-torch.log(noise)) ** temperature).argmax(-1)
+    return x0, confidence_scores(logits, x0, remasking)
+
+
 _COMPILED_SCORES: dict = {}
 
 
-def compiled_greedy_scores(choice: str):
-    """`greedy_scores` through torch.compile (every size dynamic: the engine's groups vary). Eager, a step reads
+def _compiled_scores(function, choice: str):
+    """`function` through torch.compile (every size dynamic: the engine's groups vary). Eager, a step reads
     the (B, W, V) logits some ten times (the float64 upcast, the max, the exponentials, the sum, the [MASK]
-    fill): 12 % of an 8B engine step at batch 64 (H100 profile, benchmarks/RESULTS.md); Inductor
-    fuses them into reductions that read the logits once or twice. `choice` "eager" / "cudagraphs" trace only
-    (no Inductor, as those choices promise); any other compiles with Inductor's default mode (the forward's
-    CUDA graphs are the sampler's own, `StepGraphs`)."""
+    fill; sampling adds the noise's log, power and division, each a float64 tensor of the vocabulary's size): 12 %
+    of an 8B engine step at batch 64 (H100 profile, benchmarks/RESULTS.md); Inductor fuses them into reductions
+    that read the logits once or twice. `choice` "eager" / "cudagraphs" trace only (no Inductor, as those choices
+    promise); any other compiles with Inductor's default mode (the forward's CUDA graphs are the sampler's own,
+    `StepGraphs`)."""
     backend = "eager" if choice in ("eager", "cudagraphs") else "inductor"
-    if backend not in _COMPILED_SCORES:
+    key = (function.__name__, backend)
+    if key not in _COMPILED_SCORES:
         # every size dynamic from the start (the engine's groups and aligned blocks vary, the vocabulary per model):
         # one graph per remasking rule, dtype and grad mode, not one per shape
-        compiled = torch.compile(greedy_scores, backend=backend, dynamic=True)
+        compiled = torch.compile(function, backend=backend, dynamic=True)
 
-        def scores(logits, mask_id, remasking):
+        def scores(*args):
             with torch._dynamo.config.patch(recompile_limit=64):
-                return compiled(logits, mask_id, remasking)
+                return compiled(*args)
 
-        _COMPILED_SCORES[backend] = scores
-    return _COMPILED_SCORES[backend]
+        _COMPILED_SCORES[key] = scores
+    return _COMPILED_SCORES[key]
 
 
-def warm_greedy_scores(choice: str, vocab_size: int, dtype: torch.dtype, device, mask_id: int | None) -> None:
-    """Compiles `compiled_greedy_scores` for every greedy remasking rule, for one row and for several (Dynamo
-    gives a size of 1 a graph of its own): a server's warm-up, so that no request waits for the compiler. Call it
-    in the grad mode of the steps (a graph is kept per mode)."""
+def compiled_greedy_scores(choice: str):
+    """`greedy_scores` through `_compiled_scores`."""
+    return _compiled_scores(greedy_scores, choice)
+
+
+def compiled_sampled_scores(choice: str):
+    """`sampled_scores` through `_compiled_scores`."""
+    return _compiled_scores(sampled_scores, choice)
+
+
+def warm_compiled_scores(choice: str, vocab_size: int, dtype: torch.dtype, device, mask_id: int | None) -> None:
+    """Compiles `compiled_greedy_scores` and `compiled_sampled_scores` for every scored remasking rule, for one row
+    and for several (Dynamo gives a size of 1 a graph of its own): a server's warm-up, so that no request waits
+    for the compiler. Call it in the grad mode of the steps (a graph is kept per mode)."""
     for rows in (1, 2):
         logits = torch.zeros((rows, 4, vocab_size), dtype=dtype, device=device)
+        noise = torch.full(logits.shape, 0.5, dtype=torch.float64, device=device)
         for remasking in REMASKING:
             if remasking != "random":  # drawn, never compiled
                 compiled_greedy_scores(choice)(logits, mask_id, remasking)
+                temperature = torch.ones((), dtype=torch.float64, device=device)
+                compiled_sampled_scores(choice)(logits, noise, mask_id, temperature, remasking)
 
 
 # ---- one step -----------------------------------------------------------------------------------------------
@@ -245,10 +270,17 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
             raise ValueError("decide_step: credit_alpha needs the rows' credit state (credit=, zeros at a block start)")
         logits = credit_logits(logits, credit, candidates, settings)
     rule = settings.count_rule
-    greedy = settings.temperature == 0 and settings.remasking != "random" and rule != "entropy_bound"
-    if greedy:  # top-k / top-p never remove the argmax: the candidates are the argmax of the logits without [MASK]
+    scored = settings.remasking != "random" and rule != "entropy_bound"  # confidence from the logits alone
+    unfiltered = not settings.top_k and (settings.top_p is None or settings.top_p >= 1.0)
+    if scored and settings.temperature == 0:
+        # top-k / top-p never remove the argmax: the candidates are the argmax of the logits without [MASK]
         x0, scores = (compiled_greedy_scores(compile) if compile else greedy_scores)(logits, mask_id,
                                                                                       settings.remasking)
+    elif scored and unfiltered and compile:  # the draw as below, its float64 arithmetic fused
+        noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+        # a 0-d tensor on the device, filled by a kernel: no host copy, no sync
+        temperature = torch.full((), settings.temperature, dtype=torch.float64, device=logits.device)
+        x0, scores = compiled_sampled_scores(compile)(logits, noise, mask_id, temperature, settings.remasking)
     else:
         masked_logits = without_mask(logits, mask_id)
         filtered = filter_logits(masked_logits, settings.top_k, settings.top_p)
@@ -280,6 +312,6 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
 
 
 __all__ = ["COMMIT_RULES", "COUNT_RULES", "REMASKING", "CommitRule", "CommitSettings", "block_candidates",
-           "budget_commits", "compiled_greedy_scores", "credit_logits",
+           "budget_commits", "compiled_greedy_scores", "compiled_sampled_scores", "credit_logits",
            "decide_step", "editing_commits", "entropy_bound_commits", "factor_commits", "greedy_scores",
-           "threshold_commits", "warm_greedy_scores", "without_mask"]
+           "sampled_scores", "threshold_commits", "warm_compiled_scores", "without_mask"]

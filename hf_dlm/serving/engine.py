@@ -32,7 +32,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from ..generation.configuration import DLMGenerationConfig
-from ..generation.commit_rules import CommitSettings, block_candidates, decide_step, warm_greedy_scores
+from ..generation.commit_rules import CommitSettings, block_candidates, decide_step, warm_compiled_scores
 from ..generation.compiled_step import COMPILE_CHOICES, MAX_COMPILED_GRAPHS, StepGraphs, resolve_compile
 from ..generation.row_schedule import RowSchedule
 from ..generation.sampling import block_bounds, finished_rows
@@ -408,9 +408,9 @@ class ContinuousBatchingEngine:
         failed = next((r for r in requests if r.error is not None), None)
         if failed is not None:
             raise RuntimeError(f"the engine's warm-up request failed: {failed.error!r}") from failed.error
-        if self.compile_choice is not None:  # the commit's graphs for the other greedy rules and for a lone row
+        if self.compile_choice is not None:  # the commit's graphs for the other rules, sampling and a lone row
             with torch.inference_mode():
-                warm_greedy_scores(self.compile_choice, self.model.config.vocab_size,
+                warm_compiled_scores(self.compile_choice, self.model.config.vocab_size,
                                    self.model.get_input_embeddings().weight.dtype, self.device, self.mask_id)
         done = {"seconds": time.monotonic() - start, "forwards": self.stats["forward_passes"] - stats["forward_passes"],
                 "graph_captures": self.stats["graph_captures"] - stats["graph_captures"]}

@@ -583,3 +583,39 @@ def test_grouped_query_attention_reads_the_storage_keys_and_values_without_copie
               for t in store.values()}
     assert calls and all(q_heads == k_heads == 2 for q_heads, k_heads, _, _ in calls), calls
     assert all(k in stored and v in stored for _, _, k, v in calls), calls
+
+
+@pytest.mark.parametrize("mode", ["bidirectional", "block"])
+def test_seeded_sampled_rows_share_one_commit_call_and_each_draws_as_generate_alone(monkeypatch, mode):
+    # each seeded row draws its Gumbel noise from its own generator, so rows with equal settings share one commit
+    # call (they took one call each) and still decode as generate alone with their seed; block models' aligned
+    # blocks give rows of different widths in one call. Random remasking draws inside the rule: a call per row.
+    from hf_dlm.serving import engine as engine_module
+
+    calls = []
+    original = engine_module.decide_step
+
+    def recording(logits, current, candidates, settings, *args, **kwargs):
+        calls.append((settings.remasking, logits.shape[0]))
+        return original(logits, current, candidates, settings, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "decide_step", recording)
+    model = tiny_model("sdpa", eos_token_id=5, attention_mode=mode, **({"block_size": 4} if mode == "block" else {}))
+    engine = ContinuousBatchingEngine(model, max_batch_size=6)
+    generator = torch.Generator().manual_seed(7)
+    sampled = dict(max_new_tokens=8, block_length=4, temperature=0.8, cache="dual", stop_on_eos=False,
+                   align_blocks=mode == "block")  # aligned: prompts of 3, 6 and 5 tokens start with blocks of 1, 2, 3
+    rows = []
+    for seed, (length, extra) in enumerate([(3, {}), (6, {}), (5, {}), (4, dict(remasking="random")),
+                                            (7, dict(remasking="random"))]):
+        ids = torch.randint(0, 90, (length,), generator=generator).tolist()
+        options = {**sampled, **extra}
+        rows.append((ids, 10 + seed, options, GenerationRequest(ids, engine.sampling_params(seed=10 + seed, **options))))
+    engine.submit([r[-1] for r in rows])
+    engine.run_until_idle()
+    assert all(r[-1].error is None for r in rows)
+    # the three low-confidence rows together, each random-remasking row alone
+    assert max(size for rule, size in calls if rule == "low_confidence") == 3
+    assert {size for rule, size in calls if rule == "random"} == {1}
+    for ids, seed, options, request in rows:
+        assert request.generated == reference(model, ids, seed, **options), (seed, options)

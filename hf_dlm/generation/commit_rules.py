@@ -255,7 +255,7 @@ def warm_compiled_scores(choice: str, vocab_size: int, dtype: torch.dtype, devic
 def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.Tensor, settings: CommitSettings,
                 budget: torch.Tensor | None = None, generator: torch.Generator | None = None,
                 editable: torch.Tensor | None = None, mask_id: int | None = None,
-                credit: torch.Tensor | None = None, compile: str | None = None):
+                credit: torch.Tensor | None = None, compile: str | None = None, noise: torch.Tensor | None = None):
     """One step's decision for rows sharing `settings`.
 
     logits (B, W, V) of the window; current (B, W) its tokens; candidates (B, W) bool: the masks this step may
@@ -263,7 +263,9 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
     `editing_threshold` may replace; mask_id: the [MASK] id, never a candidate; credit (B, W, V) float32:
     the rows' credit (`credit_alpha`), updated in place at the candidates (every mask of the block: credit takes no
     sub-blocks); compile: a `COMPILE_CHOICES` key (the caller's forward is compiled): a greedy step's
-    vocabulary-sized work runs through `compiled_greedy_scores`.
+    vocabulary-sized work runs through `compiled_greedy_scores`, a sampled one's through `compiled_sampled_scores`;
+    noise: a sampled step's float64 uniforms (B, W, V), drawn by the caller from each row's own generator (one
+    call for rows that do not share one); None draws them from `generator`.
     -> (tokens (B, W): the window after the step, edited (B,) bool: some token was re-decided)."""
     if settings.credit_alpha is not None:
         if credit is None:
@@ -277,14 +279,15 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
         x0, scores = (compiled_greedy_scores(compile) if compile else greedy_scores)(logits, mask_id,
                                                                                       settings.remasking)
     elif scored and unfiltered and compile:  # the draw as below, its float64 arithmetic fused
-        noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+        if noise is None:
+            noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
         # a 0-d tensor on the device, filled by a kernel: no host copy, no sync
         temperature = torch.full((), settings.temperature, dtype=torch.float64, device=logits.device)
         x0, scores = compiled_sampled_scores(compile)(logits, noise, mask_id, temperature, settings.remasking)
     else:
         masked_logits = without_mask(logits, mask_id)
         filtered = filter_logits(masked_logits, settings.top_k, settings.top_p)
-        x0 = add_gumbel_noise(filtered, settings.temperature, generator).argmax(-1)
+        x0 = add_gumbel_noise(filtered, settings.temperature, generator, noise).argmax(-1)
         if rule != "entropy_bound":
             scores = confidence_scores(logits, x0, settings.remasking, generator)
     if rule == "entropy_bound":

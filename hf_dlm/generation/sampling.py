@@ -61,13 +61,17 @@ def block_bounds(prompt_len: int, new_tokens: int, block_length: int, phase: int
     return blocks, total
 
 
-def add_gumbel_noise(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None):
+def add_gumbel_noise(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
+                     noise: torch.Tensor | None = None):
     """Gumbel-max sampling in float64 (low-precision Gumbel noise degrades sample quality, LLaDA):
-    argmax(exp(logits) / (-log u)^T) draws from softmax(logits / T). T = 0 returns the logits (argmax)."""
+    argmax(exp(logits) / (-log u)^T) draws from softmax(logits / T). T = 0 returns the logits (argmax).
+    noise: the uniforms u (float64, logits' shape) when the caller drew them (rows with generators of their own);
+    else drawn from `generator`."""
     if temperature == 0:
         return logits
     logits = logits.to(torch.float64)
-    noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    if noise is None:
+        noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
     return logits.exp() / (-torch.log(noise)) ** temperature
 
 

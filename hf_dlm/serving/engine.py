@@ -488,10 +488,13 @@ class ContinuousBatchingEngine:
         return logits
 
     def _commit(self, rows: list[_Row], logits: torch.Tensor):
-        """The core's commit rules, rows with equal settings (and no generator of their own) in one call."""
+        """The core's commit rules, rows with equal settings in one call. A seeded row's generator draws its own
+        Gumbel noise (`_row_noise`), so it shares the call; only random remasking, whose second draw comes from
+        the generator inside the rule, keeps a seeded row to a call of its own."""
         groups: dict = {}
         for i, row in enumerate(rows):
-            key = (row.settings, i if row.generator is not None else None)
+            own_call = row.generator is not None and row.settings.remasking == "random"
+            key = (row.settings, i if own_call else None)
             groups.setdefault(key, []).append(i)
         results, order = [], []
         for (settings, _), index in groups.items():
@@ -542,12 +545,25 @@ class ContinuousBatchingEngine:
                 if row.credit is not None:
                     credit[i, : row.credit.shape[0]] = row.credit
         tokens, edited = decide_step(logits[:, :width], current, candidates, settings, budget, group[0].generator,
-                                     editable, self.mask_id, credit, self.compile_choice)
+                                     editable, self.mask_id, credit, self.compile_choice,
+                                     self._row_noise(group, settings, width, logits.shape[-1]))
         if credit is not None:
             for i, row in enumerate(group):
                 row.credit = credit[i, : row.schedule.width]
         self.storage.canvas[lanes, cols] = tokens
         return torch.stack([(tokens.eq(self.mask_id) & valid).any(1), masks.any(1), edited], 1)
+
+    def _row_noise(self, group: list[_Row], settings: CommitSettings, width: int, vocab: int):
+        """A sampled step's uniforms when some row of the group has a seed: each row draws (1, its width, V) from its
+        own generator (the global one if unseeded), as `model.generate` alone draws them, so its tokens do not
+        depend on its neighbours; None (one draw in `decide_step`) otherwise."""
+        if settings.temperature == 0 or settings.remasking == "random" or all(r.generator is None for r in group):
+            return None
+        noise = torch.empty((len(group), width, vocab), dtype=torch.float64, device=self.device)
+        for i, row in enumerate(group):  # drawn in place: torch.rand is empty().uniform_(), the same numbers
+            noise[i, : row.schedule.width].uniform_(generator=row.generator)
+            noise[i, row.schedule.width:] = 0.5  # columns past a narrower block: they commit nothing
+        return noise
 
     def _count_forward(self, rows: int, tokens: int):
         self.stats["forward_passes"] += 1

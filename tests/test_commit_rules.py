@@ -1,6 +1,8 @@
 """Commit rules against transcriptions of their published algorithms (written out here from the sources' text,
 per row, with Python loops), on equal logits and through whole generations on a tiny model."""
 
+import math
+
 import pytest
 import torch
 
@@ -103,7 +105,7 @@ class DInferCredit:
 # ---- equal logits -------------------------------------------------------------------------------------------
 def test_every_rule_names_its_source():
     assert {"low_confidence", "random", "margin", "entropy", "threshold", "factor", "entropy_bound",
-            "editing_threshold"} <= set(COMMIT_RULES)
+            "editing_threshold", "hierarchy_threshold"} <= set(COMMIT_RULES)
     assert all(rule.source for rule in COMMIT_RULES.values())
 
 
@@ -227,6 +229,39 @@ class EntropyBound(Factor):
         return [int(x0[i]) if i in chosen else int(block[i]) for i in range(len(block))]
 
 
+class Hierarchy(Factor):
+    """dInfer's HierarchyDecoder (parallel_strategy.py get_transfer_index, then decode's AND with the masks),
+    transcribed as loops over the block: confidence = p(x0) at the masks; in each run of contiguous masks the
+    positions equal to the run's maximum, kept where > low_threshold; OR every mask > threshold; OR the one-hot
+    argmax of the confidence (its first maximum). Probabilities in float64 (hf-dlm's; the source's logits dtype)."""
+
+    def __init__(self, low, threshold=None, max_forwards=6):
+        self.factor, self.low, self.threshold, self.max_forwards = None, low, threshold, max_forwards
+
+    def __call__(self, logits, block, masks, state):
+        probs = torch.softmax(logits, -1)
+        x0 = probs.index_fill(-1, torch.tensor([MASK_ID]), -1).argmax(-1)  # hf-dlm never proposes [MASK]
+        p = probs.gather(-1, x0[:, None])[:, 0].tolist()
+        width, masked = len(block), masks.tolist()
+        confidence = [p[i] if masked[i] else -math.inf for i in range(width)]
+        chosen, i = set(), 0
+        while i < width:
+            if not masked[i]:
+                i += 1
+                continue
+            j = i
+            while j < width and masked[j]:
+                j += 1
+            top = max(confidence[i:j])
+            chosen |= {k for k in range(i, j) if confidence[k] == top and confidence[k] > self.low}
+            i = j
+        if self.threshold is not None:
+            chosen |= {k for k in range(width) if confidence[k] > self.threshold}
+        chosen.add(max(range(width), key=lambda k: (confidence[k], -k)))
+        chosen &= {k for k in range(width) if masked[k]}
+        return [int(x0[k]) if k in chosen else int(block[k]) for k in range(width)]
+
+
 class Editing:
     def __init__(self, threshold, editing_threshold, max_post_steps=16):
         self.threshold, self.editing_threshold, self.max_post_steps = threshold, editing_threshold, max_post_steps
@@ -250,6 +285,9 @@ class Editing:
     (EntropyBound(1.5), dict(entropy_bound=1.5)), (EntropyBound(3.0), dict(entropy_bound=3.0)),
     (Editing(0.7, 0.5), dict(threshold=0.7, editing_threshold=0.5)),
     (Editing(0.9, 0.3, max_post_steps=2), dict(threshold=0.9, editing_threshold=0.3, max_post_steps=2)),
+    (Hierarchy(0.4, max_forwards=12), dict(hierarchy_threshold=0.4)),
+    (Hierarchy(0.99, max_forwards=16), dict(hierarchy_threshold=0.99)),  # the gate: the best alone
+    (Hierarchy(0.4, 0.9), dict(hierarchy_threshold=0.4, threshold=0.9)),
 ])
 def test_generate_equals_the_source_loop_and_commits_several_tokens_per_forward(rule, options):
     model = confident_model()
@@ -259,7 +297,7 @@ def test_generate_equals_the_source_loop_and_commits_several_tokens_per_forward(
     assert out.sequences[0, 5:].tolist() == expected.tolist()
     assert len(out.forward_batch_sizes) == forwards
     if not isinstance(rule, Editing):
-        assert forwards <= 6  # several tokens per forward on a confident model
+        assert forwards <= getattr(rule, "max_forwards", 6)  # several tokens per forward on a confident model
     else:  # edits fired: more forwards than threshold decoding alone, other tokens
         plain = model.generate(prompt[None], max_new_tokens=16, block_length=8, return_dict_in_generate=True,
                                threshold=options["threshold"])
@@ -276,6 +314,29 @@ def test_generate_cli_takes_the_new_rules_as_numbers():
     args = parser.parse_args(["--model", "m", "--prompt", "x", "--factor", "1.5", "--entropy-bound", "0.3",
                               "--editing-threshold", "0.5", "--max-post-steps", "4"])
     assert (args.factor, args.entropy_bound, args.editing_threshold, args.max_post_steps) == (1.5, 0.3, 0.5, 4)
+
+
+def test_hierarchy_by_hand():
+    """dInfer's hierarchy on hand-set confidences (-inf: not a mask): each run's best when > low (ties: all),
+    every mask > threshold, the row's best always (its first maximum), nothing outside the masks."""
+    from hf_dlm.generation.commit_rules import hierarchy_commits
+
+    inf = math.inf
+    confidence = torch.tensor([[0.5, 0.3, -inf, 0.2, 0.35, -inf, 0.95, 0.1],
+                               [0.3, 0.1, 0.3, -inf, 0.6, 0.6, -inf, -inf],
+                               [0.1, 0.2, 0.3, -inf, -inf, -inf, -inf, -inf],
+                               [-inf] * 8])
+    assert hierarchy_commits(confidence, 0.4).int().tolist() == [[1, 0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 1, 1, 0, 0],
+                                                                [0, 0, 1, 0, 0, 0, 0, 0], [0] * 8]
+    assert hierarchy_commits(confidence, 0.25).int().tolist() == [[1, 0, 0, 0, 1, 0, 1, 0], [1, 0, 1, 0, 1, 1, 0, 0],
+                                                                 [0, 0, 1, 0, 0, 0, 0, 0], [0] * 8]
+    with_threshold = hierarchy_commits(confidence, 0.4, 0.15)  # a run's other positions join above threshold
+    assert with_threshold.int().tolist() == [[1, 1, 0, 1, 1, 0, 1, 0], [1, 0, 1, 0, 1, 1, 0, 0],
+                                             [0, 1, 1, 0, 0, 0, 0, 0], [0] * 8]
+    assert hierarchy_commits(confidence, 0.99).int().sum(-1).tolist() == [1, 1, 1, 0]  # the best alone
+    # both bounds strict, as the source's torch.gt: a run at exactly 0.5, masks at exactly 0.3 stay
+    assert hierarchy_commits(confidence, 0.5)[0].int().tolist() == [0, 0, 0, 0, 0, 0, 1, 0]
+    assert hierarchy_commits(confidence, 0.99, 0.3)[1].int().tolist() == [0, 0, 0, 0, 1, 1, 0, 0]
 
 
 def test_threshold_and_editing_boundaries_by_hand():
@@ -395,6 +456,10 @@ def test_credit_on_a_confident_model_equals_dinfer_and_commits_several_tokens_pe
     (dict(credit_alpha=0.7, threshold=0.9, sub_block_length=4), "credit_alpha"),
     (dict(credit_alpha=0.7, threshold=0.9, first_token_alone=True), "credit_alpha"),
     (dict(credit_alpha=0.7, threshold=0.9, remasking="margin"), "credit_alpha"),
+    (dict(hierarchy_threshold=1.5), "hierarchy_threshold"),
+    (dict(hierarchy_threshold=0.4, factor=1.0), "factor"),
+    (dict(hierarchy_threshold=0.4, threshold=0.9, editing_threshold=0.5), "editing_threshold"),
+    (dict(credit_alpha=0.7, threshold=0.9, hierarchy_threshold=0.4), "credit_alpha"),
 ])
 def test_credit_settings_are_validated_naming_the_field(options, field):
     from hf_dlm.generation.configuration import DLMGenerationConfig

@@ -59,11 +59,12 @@ def test_one_forward_per_step_with_rows_joining_in_every_phase_and_tokens_equal_
 
 
 CONFIDENT_RULES = [dict(factor=1.0), dict(entropy_bound=1.5), dict(threshold=0.7, editing_threshold=0.5),
-                   dict(threshold=0.9, editing_threshold=0.3, max_post_steps=2)]
+                   dict(threshold=0.9, editing_threshold=0.3, max_post_steps=2), dict(hierarchy_threshold=0.4),
+                   dict(hierarchy_threshold=0.4, threshold=0.9)]
 
 
 @pytest.mark.parametrize("cache", ["none", "dual"])
-def test_factor_entropy_bound_and_editing_equal_generate_in_the_engine(cache):
+def test_factor_entropy_bound_hierarchy_and_editing_equal_generate_in_the_engine(cache):
     model = tiny_model("sdpa", eos_token_id=5)
     with torch.no_grad():
         model.lm_head.weight.mul_(100)  # confident: several tokens per forward, edits that fire
@@ -79,7 +80,7 @@ def test_factor_entropy_bound_and_editing_equal_generate_in_the_engine(cache):
     for ids, options, request in rows:
         alone = model.generate(torch.tensor([ids]), return_dict_in_generate=True, **options)
         assert request.generated == alone.sequences[0, len(ids):].tolist(), options
-        if "factor" in options or "entropy_bound" in options:
+        if {"factor", "entropy_bound", "hierarchy_threshold"} & set(options):
             assert len(alone.forward_batch_sizes) < 16  # several tokens per forward
 
 

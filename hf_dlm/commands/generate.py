@@ -34,7 +34,8 @@ def add_arguments(parser):
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
                             help=f"{help_text} (default: the model's generation config)")
     kinds = {"steps": int, "block_length": int, "cfg_scale": float, "threshold": float, "mask_token_id": int,
-             "factor": float, "entropy_bound": float, "editing_threshold": float, "max_post_steps": int,
+             "factor": float, "entropy_bound": float, "editing_threshold": float, "hierarchy_threshold": float,
+             "max_post_steps": int,
              "schedule_eps": float, "sub_block_length": int, "credit_alpha": float, "credit_boost": float,
              "credit_decay": float}
     choices = {"remasking": REMASKING, "cache": CACHE_MODES, "compile": tuple(COMPILE_CHOICES), "schedule": SCHEDULES}

@@ -44,7 +44,8 @@ class DLMEvalHarness(LM):
                  steps: int | None = None, threshold: float | None = None, temperature: float = 0.0,
                  remasking: str | None = None, cache: str | None = None, greedy_check: str = "one_forward",
                  subs: bool | str = False, factor: float | None = None, entropy_bound: float | None = None,
-                 editing_threshold: float | None = None, credit_alpha: float | None = None,
+                 editing_threshold: float | None = None, hierarchy_threshold: float | None = None,
+                 credit_alpha: float | None = None,
                  credit_boost: float | None = None, credit_decay: float | None = None, compile=None, **unused):
         """pretrained: checkpoint folder (or pass `model` and `tokenizer` objects); peft: a LoRA adapter folder;
         mc_num: ELBO draws per request (LLaDA uses 128); steps: sampler steps for generate_until (default:
@@ -52,7 +53,7 @@ class DLMEvalHarness(LM):
         suffix_greedy_prediction), see the module docstring; subs: the model was trained with the objective's
         subs=True (the `mdlm` preset): [MASK] is removed from the softmax when scoring; remaining generation
         knobs as in `model.generate` (generate_until runs the decoding core's engine: factor / entropy_bound /
-        editing_threshold / credit_* commit rules, compile for its compiled step)."""
+        hierarchy_threshold / editing_threshold / credit_* commit rules, compile for its compiled step)."""
         super().__init__()
         if unused:
             raise TypeError(f"hf-dlm lm-eval model: unknown model_args {sorted(unused)}")
@@ -82,6 +83,7 @@ class DLMEvalHarness(LM):
         self.threshold = None if threshold is None else float(threshold)
         self.temperature, self.remasking, self.cache = float(temperature), remasking, cache
         rules = dict(factor=factor, entropy_bound=entropy_bound, editing_threshold=editing_threshold,
+                     hierarchy_threshold=hierarchy_threshold,
                      credit_alpha=credit_alpha, credit_boost=credit_boost, credit_decay=credit_decay)
         # unset credit_boost / credit_decay keep the sampler's defaults (dInfer's)
         self.rules = {name: None if value is None else float(value) for name, value in rules.items()

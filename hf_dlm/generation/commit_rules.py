@@ -51,6 +51,9 @@ _register("factor", "count", "Fast-dLLM get_transfer_index_dynamic: the longest 
           "with c_(i) >= 1 - factor / (i + 1), at least one")
 _register("entropy_bound", "count", "EB sampler (arXiv 2505.24857; transformers EntropyBoundSampler.accept_canvas, "
           "SGLang eb_sampling): the k lowest-entropy masks with sum - max <= bound")
+_register("hierarchy_threshold", "count", "dInfer parallel_strategy.py HierarchyDecoder (its low_threshold; "
+          "`threshold` its threshold): in each run of contiguous candidates the most confident, when > "
+          "hierarchy_threshold; beside it every candidate > threshold; and the block's best")
 _register("sub_block_length", "candidates", "Fast-dLLM v2 batch_sample (small_block_size): the masks of the "
           "block's first unfinished sub-block")
 _register("first_token_alone", "candidates", "Fast-dLLM v2 batch_sample: a block's first token comes alone from the "
@@ -62,7 +65,8 @@ _register("editing_threshold", "edit", "LLaDA2.1 generate (diffusers BlockRefine
           "committed tokens of the block replaced where p > editing_threshold and the prediction differs")
 
 REMASKING = tuple(name for name, rule in COMMIT_RULES.items() if rule.kind == "order")
-COUNT_RULES = ("threshold", "factor", "entropy_bound")  # the settings that decide the count themselves
+# the settings that decide the count themselves; hierarchy_threshold first: `threshold` beside it is its second bound
+COUNT_RULES = ("hierarchy_threshold", "threshold", "factor", "entropy_bound")
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class CommitSettings:
     threshold: float | None = None
     factor: float | None = None
     entropy_bound: float | None = None
+    hierarchy_threshold: float | None = None
     editing_threshold: float | None = None
     sub_block_length: int | None = None
     first_token_alone: bool = False
@@ -88,7 +93,8 @@ class CommitSettings:
         """From a `DLMGenerationConfig` (greedy whatever the temperature when do_sample is off)."""
         return cls(temperature=config.sampling_temperature, top_k=config.top_k or None, top_p=config.top_p,
                    remasking=config.remasking, threshold=config.threshold, factor=config.factor,
-                   entropy_bound=config.entropy_bound, editing_threshold=config.editing_threshold,
+                   entropy_bound=config.entropy_bound, hierarchy_threshold=config.hierarchy_threshold,
+                   editing_threshold=config.editing_threshold,
                    sub_block_length=config.sub_block_length, first_token_alone=bool(config.first_token_alone),
                    credit_alpha=config.credit_alpha, credit_boost=config.credit_boost, credit_decay=config.credit_decay)
 
@@ -132,6 +138,22 @@ def threshold_commits(confidence: torch.Tensor, threshold: float, strict: bool =
     best = torch.zeros_like(allowed).scatter_(1, confidence.argmax(-1, keepdim=True), True)
     above = confidence > threshold if strict else confidence >= threshold
     return (above | best) & allowed
+
+
+def hierarchy_commits(confidence: torch.Tensor, low: float, threshold: float | None = None) -> torch.Tensor:
+    """dInfer's hierarchical decoding: in each run of contiguous candidates, the positions at the run's largest
+    confidence (ties: all of them, as the source's equality) when > `low`; every candidate > `threshold`; the
+    row's best candidate always (the first maximum). Vectorised as the source is: runs numbered by a cumulative
+    sum of their starts, each run's maximum by a scatter."""
+    allowed = torch.isfinite(confidence)
+    starts = allowed & ~torch.nn.functional.pad(allowed[:, :-1], (1, 0))
+    run = (starts.long().cumsum(-1) - 1).clamp(min=0)
+    run_max = torch.full_like(confidence, -torch.inf).scatter_reduce(1, run, confidence, "amax", include_self=True)
+    commit = confidence.eq(run_max.gather(1, run)) & (confidence > low)
+    if threshold is not None:
+        commit |= confidence > threshold
+    best = torch.zeros_like(allowed).scatter_(1, confidence.argmax(-1, keepdim=True), True)
+    return (commit | best) & allowed
 
 
 def factor_commits(confidence: torch.Tensor, factor: float) -> torch.Tensor:
@@ -299,7 +321,9 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
         commit = entropy_bound_commits(entropy.masked_fill(~candidates, torch.inf), settings.entropy_bound)
     else:
         confidence = scores.masked_fill(~candidates, -torch.inf)
-        if rule == "threshold":
+        if rule == "hierarchy_threshold":
+            commit = hierarchy_commits(confidence, settings.hierarchy_threshold, settings.threshold)
+        elif rule == "threshold":
             commit = threshold_commits(confidence, settings.threshold, strict=settings.editing_threshold is not None)
         elif rule == "factor":
             commit = factor_commits(confidence, settings.factor)
@@ -316,5 +340,5 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
 
 __all__ = ["COMMIT_RULES", "COUNT_RULES", "REMASKING", "CommitRule", "CommitSettings", "block_candidates",
            "budget_commits", "compiled_greedy_scores", "compiled_sampled_scores", "credit_logits",
-           "decide_step", "editing_commits", "entropy_bound_commits", "factor_commits", "greedy_scores",
+           "decide_step", "editing_commits", "entropy_bound_commits", "factor_commits", "greedy_scores", "hierarchy_commits",
            "sampled_scores", "threshold_commits", "warm_compiled_scores", "without_mask"]

@@ -41,6 +41,10 @@ DLM_GENERATION_FIELDS = {
                "masks sorted by confidence whose i-th (from 1) is >= 1 - factor / (i + 1), at least one; steps ignored"),
     "entropy_bound": (None, "entropy-bounded sampler (arXiv 2505.24857): commit the k lowest-entropy masks of the block "
                       "whose entropies, less the largest, sum to <= entropy_bound (at least one); steps ignored"),
+    "hierarchy_threshold": (None, "dInfer's hierarchical decoding (HierarchyDecoder, its low_threshold; 0.4 there): "
+                            "in each run of contiguous masks of the block, the most confident commits when its "
+                            "confidence is > hierarchy_threshold, and the block's most confident always; with "
+                            "threshold beside it, every mask > threshold too; steps ignored"),
     "editing_threshold": (None, "LLaDA2.1 token editing, beside threshold: each step also replaces committed tokens of "
                           "the current block whose new prediction differs with probability > editing_threshold; a block "
                           "ends at a mask-free step without edits or after max_post_steps mask-free steps"),
@@ -161,14 +165,18 @@ class DLMGenerationConfig(GenerationConfig):
             fail("factor", "> 0")
         if self.entropy_bound is not None and not float(self.entropy_bound) >= 0:
             fail("entropy_bound", ">= 0")
+        if self.hierarchy_threshold is not None and not 0.0 <= float(self.hierarchy_threshold) <= 1.0:
+            fail("hierarchy_threshold", "in [0, 1]")
         count_rules = [name for name in COUNT_RULES if getattr(self, name) is not None]
+        if "hierarchy_threshold" in count_rules and "threshold" in count_rules:
+            count_rules.remove("threshold")  # dInfer's second bound beside the hierarchy, not a count rule of its own
         if len(count_rules) > 1:
             raise FieldError(count_rules[1], f"DLMGenerationConfig: {' and '.join(count_rules)} each decide how many "
                              "tokens a step commits; set one of them", getattr(self, count_rules[1]))
         if self.editing_threshold is not None:
             if not 0.0 <= float(self.editing_threshold) <= 1.0:
                 fail("editing_threshold", "in [0, 1]")
-            if self.threshold is None:
+            if self.threshold is None or self.hierarchy_threshold is not None:
                 fail("editing_threshold", "used beside threshold (LLaDA2.1: threshold for masks, editing_threshold "
                      "for committed tokens); set threshold too or")
         self._validate_credit(fail)
@@ -204,6 +212,7 @@ class DLMGenerationConfig(GenerationConfig):
             fail("credit_alpha", ">= 0 and finite")
         # dInfer's credit is a threshold decoder's over a whole block's masks, ranked by probability
         others = {"factor": self.factor, "entropy_bound": self.entropy_bound, "editing_threshold": self.editing_threshold,
+                  "hierarchy_threshold": self.hierarchy_threshold,
                   "sub_block_length": self.sub_block_length, "first_token_alone": self.first_token_alone or None}
         given = [name for name, value in others.items() if value is not None]
         if given:

@@ -25,7 +25,8 @@ MAX_CHOICES = 16
 OPENAI_TO_DLM = {"max_tokens": "max_new_tokens"}
 DLM_TO_OPENAI = {dlm: openai for openai, dlm in OPENAI_TO_DLM.items()}
 SAMPLER_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "steps", "block_length", "threshold", "cache",
-                  "remasking", "cfg_scale", "factor", "entropy_bound", "editing_threshold", "max_post_steps",
+                  "remasking", "cfg_scale", "factor", "entropy_bound", "hierarchy_threshold", "editing_threshold",
+                  "max_post_steps",
                   "credit_alpha", "credit_boost", "credit_decay")
 
 
@@ -54,6 +55,8 @@ class SamplingFields(_Strict):
     cfg_scale: float | None = Field(None, ge=0.0, le=100.0, description=DLM_GENERATION_FIELDS["cfg_scale"][1])
     factor: float | None = Field(None, gt=0.0, le=1e6, description=DLM_GENERATION_FIELDS["factor"][1])
     entropy_bound: float | None = Field(None, ge=0.0, le=1e6, description=DLM_GENERATION_FIELDS["entropy_bound"][1])
+    hierarchy_threshold: float | None = Field(None, ge=0.0, le=1.0,
+                                              description=DLM_GENERATION_FIELDS["hierarchy_threshold"][1])
     editing_threshold: float | None = Field(None, ge=0.0, le=1.0,
                                             description=DLM_GENERATION_FIELDS["editing_threshold"][1])
     # bounded: each mask-free step of a block is a forward

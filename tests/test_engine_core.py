@@ -611,7 +611,8 @@ def test_seeded_sampled_rows_share_one_commit_call_and_each_draws_as_generate_al
                                             (7, dict(remasking="random"))]):
         ids = torch.randint(0, 90, (length,), generator=generator).tolist()
         options = {**sampled, **extra}
-        rows.append((ids, 10 + seed, options, GenerationRequest(ids, engine.sampling_params(seed=10 + seed, **options))))
+        request = GenerationRequest(ids, engine.sampling_params(seed=10 + seed, **options))
+        rows.append((ids, 10 + seed, options, request))
     engine.submit([r[-1] for r in rows])
     engine.run_until_idle()
     assert all(r[-1].error is None for r in rows)

@@ -340,5 +340,5 @@ def decide_step(logits: torch.Tensor, current: torch.Tensor, candidates: torch.T
 
 __all__ = ["COMMIT_RULES", "COUNT_RULES", "REMASKING", "CommitRule", "CommitSettings", "block_candidates",
            "budget_commits", "compiled_greedy_scores", "compiled_sampled_scores", "credit_logits",
-           "decide_step", "editing_commits", "entropy_bound_commits", "factor_commits", "greedy_scores", "hierarchy_commits",
-           "sampled_scores", "threshold_commits", "warm_compiled_scores", "without_mask"]
+           "decide_step", "editing_commits", "entropy_bound_commits", "factor_commits", "greedy_scores",
+           "hierarchy_commits", "sampled_scores", "threshold_commits", "warm_compiled_scores", "without_mask"]

@@ -86,7 +86,8 @@ class SamplingParams:
         return CommitSettings(
             temperature=self.temperature, top_k=self.top_k or None, top_p=self.top_p, remasking=self.remasking,
             threshold=self.threshold, factor=self.factor, entropy_bound=self.entropy_bound,
-            hierarchy_threshold=self.hierarchy_threshold, editing_threshold=self.editing_threshold, sub_block_length=self.sub_block_length,
+            hierarchy_threshold=self.hierarchy_threshold, editing_threshold=self.editing_threshold,
+            sub_block_length=self.sub_block_length,
             first_token_alone=self.first_token_alone, credit_alpha=self.credit_alpha, credit_boost=self.credit_boost,
             credit_decay=self.credit_decay)
 
@@ -119,7 +120,8 @@ class SamplingParams:
                    threshold=config.threshold, remasking=config.remasking, stop_on_eos=config.stop_on_eos, seed=seed,
                    cache=cache, cfg_scale=config.cfg_scale or 0.0, factor=config.factor,
                    entropy_bound=config.entropy_bound, hierarchy_threshold=config.hierarchy_threshold,
-                   editing_threshold=config.editing_threshold, max_post_steps=config.max_post_steps, align_blocks=config.align_blocks, schedule=config.schedule,
+                   editing_threshold=config.editing_threshold, max_post_steps=config.max_post_steps,
+                   align_blocks=config.align_blocks, schedule=config.schedule,
                    schedule_eps=config.schedule_eps, sub_block_length=config.sub_block_length,
                    first_token_alone=config.first_token_alone, credit_alpha=config.credit_alpha,
                    credit_boost=config.credit_boost, credit_decay=config.credit_decay)

@@ -361,9 +361,13 @@ def serve_benchmark(model, tokenizer, args, report):
             for stream in (True, False):
                 log(f"http: {clients} clients in a {where}, switch interval {interval * 1e3:g} ms, stream={stream}")
                 served.clear()
+                shapes_before = len(getattr(engine.graphs, "captured_shapes", ()))
                 timings, wall, before, after = level(clients, where, interval, seed, stream)
                 row = http_row(clients, stream, timings, wall, before, after, alone, alone_runs, args, vocab, rng,
                                served)
+                # the step shapes captured inside the timed level (each stalls the engine ~3 steps): what the
+                # warm-up level did not meet
+                row["captured_shapes"] = list(getattr(engine.graphs, "captured_shapes", ()))[shapes_before:]
                 row.update(clients_in=where, switch_interval_ms=round(interval * 1e3, 3), http_parser=parser,
                            event_loop=type(app.state.server.loop).__module__.split(".")[0])
                 # CPU seconds of the server's event loop per request, of the engine thread per step, and of the rest

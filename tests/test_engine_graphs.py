@@ -50,7 +50,9 @@ def test_preallocated_storage_captures_each_shape_once_in_a_long_run(monkeypatch
         assert request.generated == out[0, len(ids):].tolist(), options
     assert replays > 2 * len(shapes)
     assert engine.stats["graph_captures"] == len(shapes)  # /metrics' hf_dlm_graph_captures_total
-    if preallocate:
+    if preallocate:  # each capture's input shapes, in capture order (the benchmark reports the ones a warm-up missed)
+        expected = [{name: list(size) for name, size in shape if size is not None} for shape in shapes]
+        assert engine.graphs.captured_shapes == expected
         assert len(set(shapes)) == len(shapes)  # every shape captured once
         # one memory pool for all of them (a pool each held 21 GiB for 60 shapes of the 8B engine on an H100)
         assert pools[0] is not None and all(pool is pools[0] for pool in pools)

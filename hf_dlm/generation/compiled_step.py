@@ -209,6 +209,7 @@ class StepGraphs:
     def __init__(self, model, enabled: bool):
         self.model, self.enabled, self.graphs = model, enabled, {}
         self.captured = 0  # graphs captured so far (a capture runs the forward three times: a step's cost x3)
+        self.captured_shapes: list[dict] = []  # each capture's input shapes, in order (what a warm-up missed)
         # one memory pool for every graph, as vLLM shares one across its captured sizes: a graph's intermediates
         # are dead once its replay's outputs are cloned, and the graphs replay one at a time on one stream. With a
         # pool each, 60 captured shapes of the 8B engine held 21 GiB (an H100 ran out of memory)
@@ -226,6 +227,8 @@ class StepGraphs:
             if key in self.graphs:
                 step = self.graphs[key] = self._capture(forward, tensors, fixed)
                 self.captured += step is not None
+                if step is not None:
+                    self.captured_shapes.append({name: list(t.shape) for name, t in tensors.items() if t is not None})
             else:
                 self.graphs[key] = None
         if step is not None:

@@ -494,20 +494,27 @@ def test_compiled_greedy_scores_equal_the_eager_ones_by_hand_and_never_pick_the_
         assert low[0, 0].item() == pytest.approx(float(row[3].exp() / row.exp().sum()), rel=1e-12)
 
 
-def test_a_compiled_generate_and_engine_commit_through_the_compiled_scores(monkeypatch):
-    """generate(compile=...) and the compiled engine take the compiled greedy scores (a call each step), and their
-    tokens equal eager generate's (whose steps take the plain function)."""
+def record_choices(monkeypatch, name: str) -> list:
+    """Wraps `commit_rules.<name>` (a compiled-scores factory): -> the compile choices it is asked for, a call per
+    step that takes it."""
     from hf_dlm.generation import commit_rules
-    from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
 
-    calls = []
-    original = commit_rules.compiled_greedy_scores
+    calls, original = [], getattr(commit_rules, name)
 
     def recording(choice):
         calls.append(choice)
         return original(choice)
 
-    monkeypatch.setattr(commit_rules, "compiled_greedy_scores", recording)
+    monkeypatch.setattr(commit_rules, name, recording)
+    return calls
+
+
+def test_a_compiled_generate_and_engine_commit_through_the_compiled_scores(monkeypatch):
+    """generate(compile=...) and the compiled engine take the compiled greedy scores (a call each step), and their
+    tokens equal eager generate's (whose steps take the plain function)."""
+    from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
+
+    calls = record_choices(monkeypatch, "compiled_greedy_scores")
     model = tiny_model(seed=3)
     prompt = torch.randint(0, 60, (2, 5), generator=torch.Generator().manual_seed(1))
     options = dict(max_new_tokens=8, block_length=4, steps=8, cache="dual", temperature=0.0, stop_on_eos=False)
@@ -560,17 +567,9 @@ def test_a_compiled_sampled_generate_and_engine_draw_the_eager_tokens(monkeypatc
     """Sampling (temperature > 0) under compile takes the compiled sampled scores each step and draws the same
     tokens as eager generate from the same seed: the noise comes from the row's generator either way. Top-k
     and random remasking stay on the eager path (their draws differ)."""
-    from hf_dlm.generation import commit_rules
     from hf_dlm.serving.engine import ContinuousBatchingEngine, GenerationRequest
 
-    calls = []
-    original = commit_rules.compiled_sampled_scores
-
-    def recording(choice):
-        calls.append(choice)
-        return original(choice)
-
-    monkeypatch.setattr(commit_rules, "compiled_sampled_scores", recording)
+    calls = record_choices(monkeypatch, "compiled_sampled_scores")
     model = tiny_model(seed=3)
     prompt = torch.randint(0, 60, (2, 5), generator=torch.Generator().manual_seed(1))
     options = dict(max_new_tokens=8, block_length=4, steps=8, cache="dual", temperature=0.9, stop_on_eos=False)

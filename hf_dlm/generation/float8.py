@@ -55,10 +55,9 @@ def quantize_float8_for_decoding(model: torch.nn.Module, granularity: str = "row
     embeddings keep theirs). `activation_scheme` "dynamic" (scales from each step's activations) or "static"
     (tensor granularity only): `calibrate(model)` runs representative decoding (e.g. an eager `model.generate`,
     `compile=None`, on a few prompts) while each projection records the largest activation it sees; its scale is
-    then fixed. Raises an
-    ImportError naming the extra without torchao, a RuntimeError without a float8-capable GPU, a ValueError for
-    another granularity or scheme, a static scheme without `calibrate`, or a projection the calibration never
-    reached (the model is then left as it was)."""
+    then fixed. Raises an ImportError naming the extra without torchao, a RuntimeError without a float8-capable
+    GPU, a ValueError for another granularity or scheme, a static scheme without `calibrate`, or a projection the
+    calibration never reached (the model is then left as it was)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"quantize_float8_for_decoding: granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if activation_scheme not in ACTIVATION_SCHEMES:

@@ -393,9 +393,9 @@ class ContinuousBatchingEngine:
 
     def warmup(self, rows: int = 2, prompt_tokens: int = 4) -> dict:
         """Compiles the step before traffic, on the calling thread (vLLM compiles and captures at start-up too):
-        `rows` requests of `prompt_tokens` tokens decode one block, and the commit's greedy rules compile, so the
-        first client does not wait for the compiler. The compiled step has dynamic sizes: later batches, refreshes
-        and windows reuse its graph.
+        `rows` requests of `prompt_tokens` tokens decode one block, and the commit's rules compile (greedy and
+        sampled), so the first client does not wait for the compiler. The compiled step has dynamic sizes: later
+        batches, refreshes and windows reuse its graph.
         The counters are restored (warm-up is not traffic); returns {"seconds", "forwards", "graph_captures"}."""
         if self.has_work() or (self.thread is not None and self.thread.is_alive()):
             raise RuntimeError("warmup() runs before the engine takes requests (before start())")
@@ -414,7 +414,7 @@ class ContinuousBatchingEngine:
         if self.compile_choice is not None:  # the commit's graphs for the other rules, sampling and a lone row
             with torch.inference_mode():
                 warm_compiled_scores(self.compile_choice, self.model.config.vocab_size,
-                                   self.model.get_input_embeddings().weight.dtype, self.device, self.mask_id)
+                                     self.model.get_input_embeddings().weight.dtype, self.device, self.mask_id)
         done = {"seconds": time.monotonic() - start, "forwards": self.stats["forward_passes"] - stats["forward_passes"],
                 "graph_captures": self.stats["graph_captures"] - stats["graph_captures"]}
         self.stats.update(stats)  # in place: /metrics and callers may hold the dict

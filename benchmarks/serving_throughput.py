@@ -86,6 +86,8 @@ def parse_args():
     p.add_argument("--engine-mask", default="bias", help="the core part's all-at-once engine runs, comma-separated: "
                    "bias (the engine's attention mask, an additive bias built once per step), bool (a boolean mask, "
                    "converted by SDPA in every layer: the form before 2026-12-07, for a same-machine comparison)")
+    p.add_argument("--capture-warmups", type=int, default=None, help="plain forwards before each CUDA graph capture "
+                   "(hf_dlm.generation.compiled_step.CAPTURE_WARMUPS; default: the library's)")
     p.add_argument("--clients", default="16,64")
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--clients-in", default="process", help="comma-separated, where the HTTP clients run: process (a "
@@ -899,6 +901,11 @@ def main():
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    from hf_dlm.generation import compiled_step
+
+    if args.capture_warmups is not None:
+        compiled_step.CAPTURE_WARMUPS = args.capture_warmups
+    args.capture_warmups = compiled_step.CAPTURE_WARMUPS  # the report names what ran
     model, tokenizer, device = build(args)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "args": vars(args),
               "core": [], "profile": [], "float8": None, "serve": [], "eval": None}

@@ -66,7 +66,7 @@ class CountedGraph:
     """CPU stand-in for `CapturedStep` (a CUDA graph): inputs copied into buffers made at capture, then the forward
     (a real graph replays its kernels without calling Dynamo again); the engine counts the captures."""
 
-    def __init__(self, forward, tensors, fixed, pool=None):
+    def __init__(self, forward, tensors, fixed, pool=None, warmups=None):
         self.forward, self.fixed = forward, fixed
         self.inputs = {name: None if t is None else t.clone() for name, t in tensors.items()}
 

@@ -1,6 +1,8 @@
 """generate(compile=...): the static-shape sampler (whole batch, block-sized windows, spliced caches) gives
 exactly the eager sampler's tokens, traced by Dynamo ('eager' backend: fast) and compiled by Inductor."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -96,6 +98,47 @@ def test_compile_option_is_validated_and_saved(tmp_path):
 def emulated_graphs(monkeypatch):
     """enable(): from then on every sampler's StepGraphs is enabled on CPU, capturing `EmulatedGraph`s."""
     return lambda: emulate_step_graphs(monkeypatch)
+
+
+@pytest.mark.parametrize("warmups,fail_first,expected", [
+    # no warm-ups first (the shape's first sight ran it plainly), then warm-ups, then without cuDNN
+    (0, 3, [(["cudnn", "flash"], 0), (["cudnn", "flash"], 2), (["flash"], 2)]),
+    (0, 1, [(["cudnn", "flash"], 0), (["cudnn", "flash"], 2)]),
+    (0, 0, [(["cudnn", "flash"], 0)]),
+    (2, 2, [(["cudnn", "flash"], 2), (["flash"], 2)]),  # warm-ups already: no second try with them
+])
+def test_a_failed_capture_is_retried_with_warmups_then_without_cudnn(monkeypatch, warmups, fail_first, expected):
+    model = tiny_model("sdpa")
+    model.config.sdpa_backends = ["cudnn", "flash"]
+    tried = []
+
+    class Capture:
+        def __init__(self, forward, tensors, fixed, pool=None, warmups=None):
+            tried.append((list(model.config.sdpa_backends), warmups))
+            if len(tried) <= fail_first:
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+        def __call__(self, tensors):
+            return "replayed"
+
+    monkeypatch.setattr(generation_compile, "CapturedStep", Capture)
+    monkeypatch.setattr(generation_compile, "CAPTURE_WARMUPS", warmups)
+    monkeypatch.setattr(generation_compile.torch.cuda, "graph_pool_handle", object)
+    graphs = generation_compile.StepGraphs(model, enabled=True)
+    tensors = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
+    forward = lambda model, input_ids: input_ids + 1  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = [graphs(forward, tensors) for _ in range(3)]  # the second sight captures
+    assert tried == expected
+    assert model.config.sdpa_backends == ["cudnn", "flash"]  # restored after every try
+    failed_all = fail_first >= len(expected)
+    assert graphs.enabled is not failed_all and graphs.captured == (not failed_all)
+    if failed_all:  # plain forwards from then on
+        assert all(torch.equal(out, tensors["input_ids"] + 1) for out in outputs)
+    else:
+        assert torch.equal(outputs[0], tensors["input_ids"] + 1) and outputs[1:] == ["replayed", "replayed"]
+    assert any("could not be captured" in str(w.message) for w in caught) is failed_all
 
 
 @pytest.mark.parametrize("compile_choice", [None, "eager"])

@@ -105,7 +105,7 @@ class EmulatedGraph:
 
     captures: list = []
 
-    def __init__(self, forward, tensors, fixed, pool=None):
+    def __init__(self, forward, tensors, fixed, pool=None, warmups=None):
         self.forward, self.fixed, self.pool = forward, fixed, pool
         self.inputs = {name: None if t is None else t.clone() for name, t in tensors.items()}
         self.replays = 0

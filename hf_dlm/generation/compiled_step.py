@@ -160,6 +160,16 @@ def compiled_forward(model, choice: str):
     return store[choice]
 
 
+# plain forwards before a capture. A shape is captured at its second sight (`StepGraphs`), so its first forward
+# already compiled it and built its cuDNN plans. Two warm-ups cost two forwards of that shape, which a shape that
+# recurs a few times never earned back: an engine step where a group of rows starts a block (7 times in a
+# 256-token answer, 2-10x a window step's tokens). H100, LLaDA-8B engine, 64 HTTP clients: 0.92 of the engine
+# alone with 2 warm-ups, 0.966 with none (benchmarks/RESULTS.md). A capture that fails retries with
+# FALLBACK_WARMUPS
+CAPTURE_WARMUPS = 0
+FALLBACK_WARMUPS = 2
+
+
 def _fresh(tensors: dict) -> dict:
     return {name: None if t is None else t.clone(memory_format=torch.contiguous_format) for name, t in tensors.items()}
 
@@ -175,17 +185,21 @@ class CapturedStep:
     arguments (the model, the cache's keys / values, flags) are read in place, so a cache refreshed in
     place is seen by later replays. The outputs are cloned (the next replay overwrites them).
 
-    pool: a memory pool shared with the other graphs of a `StepGraphs` (`torch.cuda.graph_pool_handle()`)."""
+    pool: a memory pool shared with the other graphs of a `StepGraphs` (`torch.cuda.graph_pool_handle()`).
+    warmups: plain forwards on a side stream before the capture (compilation, cuBLAS / cuDNN workspaces; default
+    `CAPTURE_WARMUPS`)."""
 
-    def __init__(self, forward, tensors: dict, fixed: dict, pool=None):
+    def __init__(self, forward, tensors: dict, fixed: dict, pool=None, warmups: int | None = None):
         self.forward, self.fixed = forward, fixed
         self.inputs = _fresh(tensors)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph: compilation, cuBLAS / cuDNN workspaces
-            for _ in range(2):
-                self.forward(**self.inputs, **self.fixed)
-        torch.cuda.current_stream().wait_stream(stream)
+        warmups = CAPTURE_WARMUPS if warmups is None else warmups
+        if warmups:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up outside the graph: compilation, cuBLAS / cuDNN workspaces
+                for _ in range(warmups):
+                    self.forward(**self.inputs, **self.fixed)
+            torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.outputs = self.forward(**self.inputs, **self.fixed)
@@ -236,17 +250,23 @@ class StepGraphs:
         return forward(**(_fresh(tensors) if self.fresh_inputs else tensors), **fixed)
 
     def _capture(self, forward, tensors, fixed):
-        """A `CapturedStep`, or None (plain forwards from now on, said once) if no SDPA kernel captures.
-        cuDNN's SDPA has failed under capture where flash did not: a failure is retried once without it
-        (the backends only matter while capturing: replays run the recorded kernels)."""
+        """A `CapturedStep`, or None (plain forwards from now on, said once) if no attempt captures. A failed
+        capture is retried with warm-up forwards first (`CAPTURE_WARMUPS` may be 0), then without cuDNN's SDPA,
+        which has failed under capture where flash did not (the backends only matter while capturing: replays run
+        the recorded kernels)."""
         config = self.model.config
         backends = list(getattr(config, "sdpa_backends", None) or [])
-        for attempt in ([backends, [b for b in backends if b != "cudnn"]] if "cudnn" in backends else [backends]):
+        attempts = [(backends, CAPTURE_WARMUPS)]
+        if CAPTURE_WARMUPS < FALLBACK_WARMUPS:
+            attempts.append((backends, FALLBACK_WARMUPS))
+        if "cudnn" in backends:
+            attempts.append(([b for b in backends if b != "cudnn"], FALLBACK_WARMUPS))
+        for attempt, warmups in attempts:
             try:
                 config.sdpa_backends = attempt
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
-                return CapturedStep(forward, tensors, fixed, self.pool)
+                return CapturedStep(forward, tensors, fixed, self.pool, warmups=warmups)
             except RuntimeError as error:
                 failure = error
             finally:
@@ -257,5 +277,5 @@ class StepGraphs:
         return None
 
 
-__all__ = ["COMPILE_CHOICES", "MAX_COMPILED_GRAPHS", "CapturedStep", "CompiledStaticForward", "StepGraphs",
-           "compiled_forward", "resolve_compile", "static_forward"]
+__all__ = ["CAPTURE_WARMUPS", "COMPILE_CHOICES", "FALLBACK_WARMUPS", "MAX_COMPILED_GRAPHS", "CapturedStep",
+           "CompiledStaticForward", "StepGraphs", "compiled_forward", "resolve_compile", "static_forward"]

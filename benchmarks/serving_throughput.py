@@ -5,7 +5,8 @@
    `--new-tokens` (256) new tokens in blocks of `--block-length` (32), dual cache, compiled (`--compile`),
    one token per step and threshold 0.9: all at once at each of `--batches` (16, 64), and `--arrivals` (64)
    requests arriving one per `--arrival-every` (8) engine steps. Reported: tokens/s, engine steps and forwards
-   (one forward per step), engine / generate ratio, arrivals / all-at-once ratio; a table at the end.
+   (one forward per step), engine / generate ratio, arrivals / all-at-once ratio; a table at the end. The
+   all-at-once engine rows time each step (`StepClock`): block starts against the other steps, the slowest five.
    `--engine-mask bias,bool`: the all-at-once engine runs with the engine's additive-bias mask and with a boolean
    mask (an engine each), to compare the two on one machine.
    `--commit compiled,eager`: the all-at-once runs with the compiled greedy commit (the core's form) and with an
@@ -526,6 +527,39 @@ def drive(engine, requests, every: int = 0, on_step=None) -> None:
         raise RuntimeError(f"a benchmark request failed in the engine: {failed.error!r}") from failed.error
 
 
+class StepClock:
+    """Each engine step's time in a run, without a host sync of its own: a CUDA event recorded after each step (the
+    time between two is the device's view: its work, or its wait for the host), the host's clock on CPU."""
+
+    def __init__(self):
+        import torch
+
+        self.cuda, self.marks = torch.cuda.is_available(), []
+        self()
+
+    def __call__(self):
+        import torch
+
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def summary(self, block_steps: int) -> dict:
+        """Mean ms of the steps that start a block (every `block_steps`-th: all rows at once, one token a step),
+        of the others, and the slowest five steps (index, ms): where a run's time goes beyond its mid-block steps."""
+        _sync()
+        ms = [a.elapsed_time(b) if self.cuda else 1e3 * (b - a) for a, b in zip(self.marks, self.marks[1:])]
+        starts = [t for i, t in enumerate(ms) if i % block_steps == 0]
+        others = [t for i, t in enumerate(ms) if i % block_steps] or [0.0]
+        slowest = sorted(enumerate(ms), key=lambda item: -item[1])[:5]
+        return {"timed_steps": len(ms), "block_start_step_ms": round(sum(starts) / len(starts), 2),
+                "other_step_ms": round(sum(others) / len(others), 2),
+                "slowest_steps": [[i, round(t, 2)] for i, t in slowest]}
+
+
 def option_list(value: str, flag: str, allowed) -> list[str]:
     """A comma-separated option's values, in order; an unknown one exits naming the flag and the choices."""
     values = value.split(",")
@@ -616,13 +650,17 @@ def core_benchmark(model, args, report):
 
         last_requests = []
 
+        step_times = {}
+
         def engine_run(count, every=0, engine=engine):
             requests = make_requests(count, options)
             last_requests[:] = requests
             before = {name: engine.stats[name] for name in ("engine_steps", "forward_passes", "graph_captures")}
             _sync()
             start = time.perf_counter()
-            drive(engine, requests, every)
+            clock = StepClock()
+            drive(engine, requests, every, on_step=clock)
+            step_times["last"] = clock
             _sync()
             wall = time.perf_counter() - start
             return (sum(len(r.generated) for r in requests) / wall,
@@ -660,7 +698,9 @@ def core_benchmark(model, args, report):
                        "arrival": "all at once",
                        "generate_tok_s": round(generate_tps, 1), "engine_tok_s": round(engine_tps, 1),
                        "ratio": round(engine_tps / generate_tps, 3), "engine_steps": steps, "forwards": forwards,
-                       "captures_in_timed_run": captures, "tokens_equal_to_generate": round(same, 4)}
+                       "captures_in_timed_run": captures, "tokens_equal_to_generate": round(same, 4),
+                       # where the run's time goes: its block starts against its other steps
+                       **step_times["last"].summary(max(1, options["steps"] * args.block_length // args.new_tokens))}
                 record(row)
                 if variant is not engine:
                     del variant

@@ -43,6 +43,10 @@ def _serving_parts(out: Path, stdout: str):
     assert sorted({(r["commit"], r["batch"]) for r in together}) == [(c, b) for c in ("compiled", "eager")
                                                                       for b in (2, 4)], together
     assert all(r["tokens_equal_to_generate"] == 1.0 for r in together), together
+    # each step of the timed run timed (block starts apart), the slowest five named by their index
+    assert all(r["timed_steps"] == r["engine_steps"] and r["block_start_step_ms"] > 0 and r["other_step_ms"] > 0
+               and len(r["slowest_steps"]) == 5 and all(0 <= i < r["engine_steps"] for i, _ in r["slowest_steps"])
+               for r in together), together
     assert batch1["bf16_eager_commit_tokens_equal_to_bf16"] == 1.0, batch1
     # the arrivals with the engine's two-call attention and with one padded call (a same-machine comparison)
     arrivals = [r for r in report["core"] if r["arrival"] != "all at once"]

@@ -4,6 +4,7 @@
 1. 3 steps on a map-style dataset, 2 samples per rank.
 2. A checkpointable stream: 4 steps straight, and 2 steps + resume + 2 steps."""
 
+import faulthandler
 import json
 import os
 import sys
@@ -49,4 +50,7 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    # a rank still running after 240 s (the test waits 300; alone the run takes ~12 s) prints every thread's stack
+    # and exits: a rare hang seen under a loaded suite then names where it waits
+    faulthandler.dump_traceback_later(240, exit=True)
     main(sys.argv[1])

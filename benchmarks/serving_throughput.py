@@ -368,8 +368,8 @@ def serve_benchmark(model, tokenizer, args, report):
                 timings, wall, before, after = level(clients, where, interval, seed, stream)
                 row = http_row(clients, stream, timings, wall, before, after, alone, alone_runs, args, vocab, rng,
                                served)
-                # the step shapes captured inside the timed level (each stalls the engine ~3 steps): what the
-                # warm-up level did not meet
+                # the step shapes captured inside the timed level (each stalls the engine while it records):
+                # what the warm-up level did not meet
                 row["captured_shapes"] = list(getattr(engine.graphs, "captured_shapes", ()))[shapes_before:]
                 row.update(clients_in=where, switch_interval_ms=round(interval * 1e3, 3), http_parser=parser,
                            event_loop=type(app.state.server.loop).__module__.split(".")[0])
@@ -648,9 +648,7 @@ def core_benchmark(model, args, report):
     for label, rule in (rules[name] for name in args.rules.split(",")):
         options = core_options(rule)
 
-        last_requests = []
-
-        step_times = {}
+        last_requests, step_times = [], {}
 
         def engine_run(count, every=0, engine=engine):
             requests = make_requests(count, options)

@@ -5,7 +5,7 @@ model stands in for the 8B one, and the engine's compile runs Dynamo without Ind
 on the GPU each Dynamo graph is a whole-model Inductor compile.
 
 A compiled engine step is replayed from a CUDA graph per bucketed shape, captured the second time the shape is
-seen (`StepGraphs`); a capture runs the forward three times. A schedule whose shapes occur once per run
+seen (`StepGraphs`); a capture records the forward once more. A schedule whose shapes occur once per run
 captures them during its second run: the count says how many runs a benchmark must repeat before its timed
 run is the engine's steady state.
 

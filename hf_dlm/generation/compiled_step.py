@@ -186,13 +186,12 @@ class CapturedStep:
     place is seen by later replays. The outputs are cloned (the next replay overwrites them).
 
     pool: a memory pool shared with the other graphs of a `StepGraphs` (`torch.cuda.graph_pool_handle()`).
-    warmups: plain forwards on a side stream before the capture (compilation, cuBLAS / cuDNN workspaces; default
-    `CAPTURE_WARMUPS`)."""
+    warmups: plain forwards on a side stream before the capture (compilation, cuBLAS / cuDNN workspaces;
+    `StepGraphs` passes `CAPTURE_WARMUPS`)."""
 
-    def __init__(self, forward, tensors: dict, fixed: dict, pool=None, warmups: int | None = None):
+    def __init__(self, forward, tensors: dict, fixed: dict, pool=None, warmups: int = 0):
         self.forward, self.fixed = forward, fixed
         self.inputs = _fresh(tensors)
-        warmups = CAPTURE_WARMUPS if warmups is None else warmups
         if warmups:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -222,7 +221,7 @@ class StepGraphs:
 
     def __init__(self, model, enabled: bool):
         self.model, self.enabled, self.graphs = model, enabled, {}
-        self.captured = 0  # graphs captured so far (a capture runs the forward three times: a step's cost x3)
+        self.captured = 0  # graphs captured so far (a capture records the forward once, after CAPTURE_WARMUPS)
         self.captured_shapes: list[dict] = []  # each capture's input shapes, in order (what a warm-up missed)
         # one memory pool for every graph, as vLLM shares one across its captured sizes: a graph's intermediates
         # are dead once its replay's outputs are cloned, and the graphs replay one at a time on one stream. With a

@@ -79,7 +79,8 @@ def parse_args():
     p.add_argument("--commit", default="compiled", help="the core part's all-at-once runs and the float8 part's, "
                    "comma-separated: compiled (a compiled generate or engine runs a step's vocabulary-sized work "
                    "through torch.compile: greedy steps since 2026-12-07, sampled ones since the twelfth session), "
-                   "eager (that work eager, as before)")
+                   "eager (that work eager, as before), compiled-exp (compiled, a sampled step's Gumbel draw in LLaDA's "
+                   "exp / pow form, as before the fourteenth session's log form)")
     p.add_argument("--engine-sdpa", default="as-now", help="the core part's all-at-once engine runs, comma-separated: "
                    "as-now (the engine's attention under PyTorch's default SDPA priority: its memory-efficient kernel "
                    "under a mask), model-priority (the engine compiled and run under the model's `sdpa_backends` "
@@ -570,7 +571,17 @@ def option_list(value: str, flag: str, allowed) -> list[str]:
 
 
 def commit_forms(args) -> list[str]:
-    return option_list(args.commit, "--commit", ("compiled", "eager"))
+    return option_list(args.commit, "--commit", ("compiled", "eager", "compiled-exp"))
+
+
+def exp_form_sampled_scores(logits, noise, mask_id, temperature, remasking):
+    """`sampled_scores` as it was before the log-domain draw: LLaDA's argmax(exp(logit) / (-log u)^T)."""
+    import torch
+
+    from hf_dlm.generation.commit_rules import confidence_scores, without_mask
+
+    x0 = (without_mask(logits, mask_id).to(torch.float64).exp() / (-torch.log(noise)) ** temperature).argmax(-1)
+    return x0, confidence_scores(logits, x0, remasking)
 
 
 @contextlib.contextmanager
@@ -583,6 +594,9 @@ def commit_form(form: str):
     if form == "eager":
         commit_rules.compiled_greedy_scores = lambda choice: commit_rules.greedy_scores
         commit_rules.compiled_sampled_scores = lambda choice: commit_rules.sampled_scores
+    elif form == "compiled-exp":
+        commit_rules.compiled_sampled_scores = lambda choice: commit_rules._compiled_scores(exp_form_sampled_scores,
+                                                                                             choice)
     try:
         yield
     finally:
@@ -860,7 +874,7 @@ def float8_benchmark(model, args, report):
             quantize_float8_for_decoding(target, scales, lm_head=head, activation_scheme=scheme,
                                          calibrate=calibrate if scheme == "static" else None)
         for commit in commits:  # one model, its compiled forward shared by the commit forms
-            key = base + ("" if commit == "compiled" else "_eager_commit")
+            key = base + ("" if commit == "compiled" else f"_{commit}_commit".replace("-", "_"))
             with commit_form(commit):
                 for attempt in range(2):  # the first run compiles and captures
                     log(f"float8: {key} generate run {attempt + 1} of 2")

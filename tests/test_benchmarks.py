@@ -109,3 +109,26 @@ def test_tiny_run(name, options, tmp_path):
     assert expected in out.stderr, f"{name} --tiny {' '.join(options)}: {expected!r} not in stderr"
     if check is not None:
         check(tmp_path, out.stdout)
+
+
+def test_the_serving_benchmarks_exp_form_draws_what_the_core_draws(monkeypatch):
+    """`--commit compiled-exp` times the sampled draw in LLaDA's exp / pow form against the core's log form: it
+    must draw the same tokens and confidences (else the comparison times two different samplers)."""
+    import importlib.util
+
+    import torch
+
+    from hf_dlm.generation.commit_rules import sampled_scores
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    spec = importlib.util.spec_from_file_location("serving_throughput", ROOT / "benchmarks" / "serving_throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 8, 300, generator=generator) * 3
+    noise = torch.rand(logits.shape, dtype=torch.float64, generator=generator)
+    temperature = torch.tensor(0.9, dtype=torch.float64)
+    exp_x0, exp_confidence = module.exp_form_sampled_scores(logits, noise, 5, temperature, "margin")
+    x0, confidence = sampled_scores(logits, noise, 5, temperature, "margin")
+    assert torch.equal(exp_x0, x0) and not x0.eq(5).any()
+    torch.testing.assert_close(exp_confidence, confidence, rtol=0, atol=0)

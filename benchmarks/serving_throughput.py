@@ -76,6 +76,12 @@ def parse_args():
                    "generate), float8-static-head; the share of equal tokens needs bf16")
     p.add_argument("--fuse-projections", default="no", help="the float8 part's runs, comma-separated: no (q / k / v "
                    "and gate / up separate), yes (fused: model.fuse_projections())")
+    p.add_argument("--float8-inductor", default="default", help="the float8 part's runs, comma-separated, each on "
+                   "every model of --float8-weights: default (--compile as given), max-autotune (Inductor's "
+                   "max-autotune-no-cudagraphs: GEMMs autotuned against Triton templates, which can fuse the "
+                   "residual add and the next cast into the GEMM; the step's CUDA graphs stay hf-dlm's), "
+                   "combo-kernels (Inductor's horizontal fusion of independent kernels), coordinate-descent "
+                   "(Inductor's coordinate-descent tuning of its kernels' launch configs)")
     p.add_argument("--commit", default="compiled", help="the core part's all-at-once runs and the float8 part's, "
                    "comma-separated: compiled (a compiled generate or engine runs a step's vocabulary-sized work "
                    "through torch.compile: greedy steps since 2026-12-07, sampled ones since the twelfth session), "
@@ -830,6 +836,12 @@ def profile_run(engine, make_requests, every, args, title) -> dict:
             "device_busy_share": None if busy is None else round(busy / plain, 3), "table": name}
 
 
+# --float8-inductor value -> (torch._inductor.config patch, the compile choice in place of --compile's or None)
+INDUCTOR_VARIANTS = {"default": ({}, None), "max-autotune": ({}, "max-autotune-no-cudagraphs"),
+                     "combo-kernels": ({"combo_kernels": True}, None),
+                     "coordinate-descent": ({"coordinate_descent_tuning": True}, None)}
+
+
 def float8_benchmark(model, args, report):
     """Batch-1 decoding with bf16 and float8 weights, projections separate and fused (`--fuse-projections`):
     tokens/s and the share of tokens equal to bf16's; with `--profile-steps`, one more generate of each under
@@ -859,6 +871,7 @@ def float8_benchmark(model, args, report):
     names = option_list(args.float8_weights, "--float8-weights", ("bf16", *granularity))
     fusings = option_list(args.fuse_projections, "--fuse-projections", ("no", "yes"))
     commits = commit_forms(args)
+    inductors = option_list(args.float8_inductor, "--float8-inductor", tuple(INDUCTOR_VARIANTS))
     for fused, name in ((f, n) for f in fusings for n in names):
         base = name + ("_fused" if fused == "yes" else "")
         if name != "bf16" and not cuda:
@@ -873,20 +886,27 @@ def float8_benchmark(model, args, report):
                 f"{', LM head too' if head else ''})")
             quantize_float8_for_decoding(target, scales, lm_head=head, activation_scheme=scheme,
                                          calibrate=calibrate if scheme == "static" else None)
-        for commit in commits:  # one model, its compiled forward shared by the commit forms
-            key = base + ("" if commit == "compiled" else f"_{commit}_commit".replace("-", "_"))
-            with commit_form(commit):
+        for (inductor, commit) in ((i, c) for i in inductors for c in commits):
+            # one model, its compiled forward shared by the commit forms; recompiled for each Inductor setting
+            key = base + ("" if inductor == "default" else f"_{inductor}".replace("-", "_"))
+            key += "" if commit == "compiled" else f"_{commit}_commit".replace("-", "_")
+            if inductor != inductors[0] and commit == commits[0]:
+                torch._dynamo.reset()
+            patch, choice = INDUCTOR_VARIANTS[inductor]
+            run_options = options if choice is None or options["compile"] is None else {**options, "compile": choice}
+            with commit_form(commit), torch._inductor.config.patch(patch):
                 for attempt in range(2):  # the first run compiles and captures
                     log(f"float8: {key} generate run {attempt + 1} of 2")
                     _sync()
                     start = time.perf_counter()
-                    out = target.generate(ids, **options)
+                    out = target.generate(ids, **run_options)
                     _sync()
                     wall = time.perf_counter() - start
                 rows[key] = out[0, args.prompt_tokens:]
                 report["float8"][f"{key}_tok_s"] = round(args.new_tokens / wall, 1)
                 if args.profile_steps:
-                    report["float8"][f"{key}_profile"] = profile_generate(target, ids, options, args, f"float8 {key}")
+                    report["float8"][f"{key}_profile"] = profile_generate(target, ids, run_options, args,
+                                                                          f"float8 {key}")
             print(json.dumps({key: report["float8"][f"{key}_tok_s"]}), flush=True)
             dump(report, args)  # each figure as soon as it exists
         del target
@@ -944,6 +964,7 @@ def main():
         args.fuse_projections, args.profile_steps, args.profile_skip = "no,yes", 2, 1
         args.engine_mask, args.arrival_split, args.arrival_graph_pool = "bias,bool", "yes,no", "shared,own"
         args.commit, args.engine_sdpa = "compiled,eager", "as-now,model-priority"
+        args.float8_inductor = "default,coordinate-descent"
         args.prompt_tokens, args.eval_docs, args.mc_num, args.eval_batch_size = 8, 10, 2, 8
         args.batches, args.new_tokens, args.arrivals, args.arrival_every = "2,4", 16, 4, 2
     if args.compile is None:

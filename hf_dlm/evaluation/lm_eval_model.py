@@ -27,7 +27,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from ..serving.engine import ContinuousBatchingEngine, GenerationRequest, decode_answer
+from ..serving.engine import ContinuousBatchingEngine
+from ..serving.requests import GenerationRequest, decode_answer
 from ..utils.errors import FieldError
 from .scoring import GREEDY_CHECKS, greedy_iterative, greedy_one_forward, request_seed, score_continuations  # noqa: F401
 

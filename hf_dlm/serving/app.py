@@ -27,8 +27,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from .engine import ContinuousBatchingEngine, EngineStoppedError, GenerationRequest, QueueFullError, decode_answer
+from .engine import ContinuousBatchingEngine
 from .protocol import ChatCompletionRequest, CompletionRequest, error_param
+from .requests import EngineStoppedError, GenerationRequest, QueueFullError, decode_answer
 from .validation import APIError, RequestChecker, refused
 
 @dataclass

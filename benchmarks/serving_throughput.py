@@ -82,7 +82,9 @@ def parse_args():
                    "residual add and the next cast into the GEMM; the step's CUDA graphs stay hf-dlm's), "
                    "combo-kernels (Inductor's horizontal fusion of independent kernels), coordinate-descent "
                    "(Inductor's coordinate-descent tuning of its kernels' launch configs), pdl (Triton kernels "
-                   "with Hopper's programmatic dependent launch: each may start while the one before it ends)")
+                   "with Hopper's programmatic dependent launch: each may start while the one before it ends), "
+                   "layers-4 (four decoder layers a compiled graph: a layer's closing residual add can fuse into "
+                   "the next one's norm)")
     p.add_argument("--commit", default="compiled", help="the core part's all-at-once runs and the float8 part's, "
                    "comma-separated: compiled (a compiled generate or engine runs a step's vocabulary-sized work "
                    "through torch.compile: greedy steps since 2026-12-07, sampled ones since the twelfth session), "
@@ -837,12 +839,15 @@ def profile_run(engine, make_requests, every, args, title) -> dict:
             "device_busy_share": None if busy is None else round(busy / plain, 3), "table": name}
 
 
-# --float8-inductor value -> (torch._inductor.config patch, the compile choice in place of --compile's or None)
-INDUCTOR_VARIANTS = {"default": ({}, None), "max-autotune": ({}, "max-autotune-no-cudagraphs"),
-                     "combo-kernels": ({"combo_kernels": True}, None),
-                     "coordinate-descent": ({"coordinate_descent_tuning": True}, None),
+# --float8-inductor value -> (torch._inductor.config patch, the compile choice in place of --compile's or None,
+# decoder layers a compiled graph: compiled_step.LAYERS_PER_GRAPH)
+INDUCTOR_VARIANTS = {"default": ({}, None, 1), "max-autotune": ({}, "max-autotune-no-cudagraphs", 1),
+                     "combo-kernels": ({"combo_kernels": True}, None, 1),
+                     "coordinate-descent": ({"coordinate_descent_tuning": True}, None, 1),
                      # Hopper's programmatic dependent launch: a Triton kernel starts while the one before it ends
-                     "pdl": ({"triton.enable_pdl": True}, None)}
+                     "pdl": ({"triton.enable_pdl": True}, None, 1),
+                     # a layer's closing residual add fused into the next one's norm, within a graph
+                     "layers-4": ({}, None, 4)}
 
 
 def float8_benchmark(model, args, report):
@@ -853,6 +858,7 @@ def float8_benchmark(model, args, report):
 
     import torch
 
+    from hf_dlm.generation import compiled_step
     from hf_dlm.generation.float8 import quantize_float8_for_decoding
 
     cuda = torch.cuda.is_available()
@@ -895,13 +901,14 @@ def float8_benchmark(model, args, report):
             key += "" if commit == "compiled" else f"_{commit}_commit".replace("-", "_")
             if inductor != inductors[0] and commit == commits[0]:
                 torch._dynamo.reset()
-            patch, choice = INDUCTOR_VARIANTS[inductor]
+            patch, choice, layers = INDUCTOR_VARIANTS[inductor]
             missing = [name for name in patch if name not in torch._inductor.config._config]
             if missing:  # an older torch: said in the report, the other settings still run
                 report["float8"][f"{key}_tok_s"] = f"not in this torch's Inductor config: {missing}"
                 print(f"float8: {key} skipped ({missing} not in this torch's Inductor config)", flush=True)
                 continue
             run_options = options if choice is None or options["compile"] is None else {**options, "compile": choice}
+            compiled_step.LAYERS_PER_GRAPH = layers
             with commit_form(commit), torch._inductor.config.patch(patch):
                 for attempt in range(2):  # the first run compiles and captures
                     log(f"float8: {key} generate run {attempt + 1} of 2")
@@ -918,6 +925,7 @@ def float8_benchmark(model, args, report):
             print(json.dumps({key: report["float8"][f"{key}_tok_s"]}), flush=True)
             dump(report, args)  # each figure as soon as it exists
         del target
+    compiled_step.LAYERS_PER_GRAPH = 1  # the later parts as the library runs them
     for key in sorted(rows):  # against bf16 with the same projections (fused bf16: against separate), compiled commit
         reference = "bf16_fused" if "_fused" in key and key != "bf16_fused" and "bf16_fused" in rows else "bf16"
         if reference in rows and reference != key:
@@ -972,7 +980,7 @@ def main():
         args.fuse_projections, args.profile_steps, args.profile_skip = "no,yes", 2, 1
         args.engine_mask, args.arrival_split, args.arrival_graph_pool = "bias,bool", "yes,no", "shared,own"
         args.commit, args.engine_sdpa = "compiled,eager", "as-now,model-priority"
-        args.float8_inductor = "default,pdl"
+        args.float8_inductor = "default,pdl,layers-4"
         args.prompt_tokens, args.eval_docs, args.mc_num, args.eval_batch_size = 8, 10, 2, 8
         args.batches, args.new_tokens, args.arrivals, args.arrival_every = "2,4", 16, 4, 2
     if args.compile is None:

@@ -72,7 +72,7 @@ def test_inductor_compiled_sampler_equals_eager_and_reuses_its_graphs():
     eager = model.generate(input_ids, attention_mask=attention_mask, **options)
     compiled = model.generate(input_ids, attention_mask=attention_mask, compile=True, **options)  # CPU: mode default
     assert torch.equal(compiled, eager)
-    assert generation_compile._COMPILED[model].keys() == {"default"}
+    assert generation_compile._COMPILED[model].keys() == {("default", 1)}  # (choice, layers a graph)
     # two graphs (the block-start refresh and the block window) serve every block and later calls
     counters = torch._dynamo.utils.counters
     frames = counters["stats"]["unique_graphs"]
@@ -216,6 +216,29 @@ def test_compiled_generate_traces_one_layer_whatever_the_depth(monkeypatch):
         assert torch.equal(compiled, model.generate(input_ids, attention_mask=attention_mask, **options))
         traced.append((counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]))
     assert traced[0] == traced[1] and traced[0][0] == 2, traced  # the refresh and the window step
+
+
+@pytest.mark.parametrize("group", [2, 3])
+def test_layers_compiled_in_groups_decode_the_same_tokens_with_a_graph_per_group_shape(monkeypatch, group):
+    """`LAYERS_PER_GRAPH`: several decoder layers a compiled graph (Inductor may then fuse across a layer
+    boundary). The tokens equal the eager sampler's, each layer's fresh keys / values reach the cache in order
+    (a wrong order or a skipped layer changes the tokens), and equal groups share a graph: 4 layers in groups
+    of 2 trace the refresh and the window step once each; groups of 3 add the last layer's group of 1."""
+    from torch._dynamo.utils import counters
+
+    from hf_dlm.generation import compiled_step
+
+    eager_commit(monkeypatch)
+    monkeypatch.setattr(compiled_step, "LAYERS_PER_GRAPH", group)
+    _, input_ids, attention_mask = left_padded([5, 9])
+    options = dict(max_new_tokens=8, block_length=4, steps=8, temperature=0.0, cache="dual")
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("sdpa", num_hidden_layers=4)
+    compiled = model.generate(input_ids, attention_mask=attention_mask, compile="eager", **options)
+    assert torch.equal(compiled, model.generate(input_ids, attention_mask=attention_mask, **options))
+    assert compiled_step._COMPILED[model].keys() == {("eager", group)}
+    assert counters["stats"]["unique_graphs"] == (2 if 4 % group == 0 else 4)
 
 
 def test_the_compiled_steps_build_their_mask_without_reading_the_data(monkeypatch):

@@ -116,31 +116,54 @@ class _LayerSplicedKV(_SplicedKV):
         return super().update(0, key, value)
 
 
-def _static_layer(layer, hidden_states, mask, position_embeddings, past_key, past_value, slots, in_place):
-    """One decoder layer of `static_forward` -> (hidden states, its fresh keys, values)."""
-    cache = _LayerSplicedKV(None if past_key is None else ([past_key], [past_value]), slots, in_place)
-    hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings, kv_cache=cache)
-    return hidden_states, *cache.fresh[0]
+def _static_layers(layers, hidden_states, mask, position_embeddings, past_keys, past_values, slots, in_place):
+    """Consecutive decoder layers of `static_forward` -> (hidden states, their fresh keys, their fresh values)."""
+    keys, values = [], []
+    for i, layer in enumerate(layers):
+        past = None if past_keys is None else ([past_keys[i]], [past_values[i]])
+        cache = _LayerSplicedKV(past, slots, in_place)
+        hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings,
+                              kv_cache=cache)
+        keys.append(cache.fresh[0][0])
+        values.append(cache.fresh[0][1])
+    return hidden_states, keys, values
+
+
+# decoder layers per compiled graph (`CompiledStaticForward`). More than one lets Inductor fuse across a layer
+# boundary (a layer's closing residual add into the next layer's norm: one kernel less a boundary) for a compile
+# that many times a layer's; 1 keeps compiling independent of the depth
+LAYERS_PER_GRAPH = 1
 
 
 class CompiledStaticForward:
-    """`static_forward` with each decoder layer through one compiled function (regional compilation): the
-    identical layers share a graph per shape, so compiling does not grow with the depth (the whole forward as
-    one graph compiled every layer: ~50 s for the LLaDA-8B shape's two shapes on an H200). Embeddings, mask,
-    norm and LM head run eagerly around it; on CUDA the whole step is still one CUDA graph (`StepGraphs`)."""
+    """`static_forward` with the decoder layers through one compiled function (regional compilation), a group of
+    `layers_per_graph` at a time: the identical groups share a graph per shape, so compiling does not grow with
+    the depth (the whole forward as one graph compiled every layer: ~50 s for the LLaDA-8B shape's two shapes on
+    an H200). Embeddings, mask, norm and LM head run eagerly around it; on CUDA the whole step is still one CUDA
+    graph (`StepGraphs`)."""
 
-    def __init__(self, **compile_options):
-        self.layer_step = torch.compile(_static_layer, dynamic=False, **compile_options)
+    def __init__(self, layers_per_graph: int = 1, **compile_options):
+        if layers_per_graph < 1:
+            raise ValueError(f"layers_per_graph must be >= 1, got {layers_per_graph}")
+        self.layers_per_graph = layers_per_graph
+        self.layer_step = torch.compile(_static_layers, dynamic=False, **compile_options)
 
     def __call__(self, model, input_ids, position_ids, key_padding, key_position_ids, head_index, past=None,
                  slots=None, return_kv: bool = False, in_place: bool = False):
-        fresh = []
+        fresh, layers, group = [], model.model.layers, self.layers_per_graph
 
         def run_layer(i, layer, hidden_states, mask, position_embeddings):
-            past_key, past_value = (None, None) if past is None else (past[0][i], past[1][i])
-            hidden_states, key, value = self.layer_step(layer, hidden_states, mask, position_embeddings, past_key,
-                                                        past_value, slots, in_place)
-            fresh.append((key, value))
+            # `forward_window` hands each layer the previous one's output: the first layer of a group runs the
+            # group, the others pass its output on
+            if i % group:
+                return hidden_states
+            members = tuple(layers[i : i + group])
+            past_keys, past_values = (None, None) if past is None else (
+                tuple(past[0][j] for j in range(i, i + len(members))),
+                tuple(past[1][j] for j in range(i, i + len(members))))
+            hidden_states, keys, values = self.layer_step(members, hidden_states, mask, position_embeddings,
+                                                          past_keys, past_values, slots, in_place)
+            fresh.extend(zip(keys, values))
             return hidden_states
 
         hidden_states = model.model.forward_window(input_ids, None, position_ids, key_padding, key_position_ids, None,
@@ -152,12 +175,13 @@ class CompiledStaticForward:
 
 
 def compiled_forward(model, choice: str):
-    """`static_forward` compiled with COMPILE_CHOICES[choice] (`CompiledStaticForward`), kept per model
-    (weakly: not an attribute, so copying or saving the model never meets it)."""
+    """`static_forward` compiled with COMPILE_CHOICES[choice] (`CompiledStaticForward`, `LAYERS_PER_GRAPH`
+    layers a graph), kept per model (weakly: not an attribute, so copying or saving the model never meets it)."""
     store = _COMPILED.setdefault(model, {})
-    if choice not in store:
-        store[choice] = CompiledStaticForward(**COMPILE_CHOICES[choice])
-    return store[choice]
+    key = (choice, LAYERS_PER_GRAPH)
+    if key not in store:
+        store[key] = CompiledStaticForward(LAYERS_PER_GRAPH, **COMPILE_CHOICES[choice])
+    return store[key]
 
 
 # plain forwards before a capture. A shape is captured at its second sight (`StepGraphs`), so its first forward
@@ -276,5 +300,6 @@ class StepGraphs:
         return None
 
 
-__all__ = ["CAPTURE_WARMUPS", "COMPILE_CHOICES", "FALLBACK_WARMUPS", "MAX_COMPILED_GRAPHS", "CapturedStep",
-           "CompiledStaticForward", "StepGraphs", "compiled_forward", "resolve_compile", "static_forward"]
+__all__ = ["CAPTURE_WARMUPS", "COMPILE_CHOICES", "FALLBACK_WARMUPS", "LAYERS_PER_GRAPH", "MAX_COMPILED_GRAPHS",
+           "CapturedStep", "CompiledStaticForward", "StepGraphs", "compiled_forward", "resolve_compile",
+           "static_forward"]

@@ -909,19 +909,29 @@ def float8_benchmark(model, args, report):
                 continue
             run_options = options if choice is None or options["compile"] is None else {**options, "compile": choice}
             compiled_step.LAYERS_PER_GRAPH = layers
-            with commit_form(commit), torch._inductor.config.patch(patch):
-                for attempt in range(2):  # the first run compiles and captures
-                    log(f"float8: {key} generate run {attempt + 1} of 2")
-                    _sync()
-                    start = time.perf_counter()
-                    out = target.generate(ids, **run_options)
-                    _sync()
-                    wall = time.perf_counter() - start
-                rows[key] = out[0, args.prompt_tokens:]
-                report["float8"][f"{key}_tok_s"] = round(args.new_tokens / wall, 1)
-                if args.profile_steps:
-                    report["float8"][f"{key}_profile"] = profile_generate(target, ids, run_options, args,
-                                                                          f"float8 {key}")
+            try:
+                with commit_form(commit), torch._inductor.config.patch(patch):
+                    for attempt in range(2):  # the first run compiles and captures
+                        log(f"float8: {key} generate run {attempt + 1} of 2")
+                        _sync()
+                        start = time.perf_counter()
+                        out = target.generate(ids, **run_options)
+                        _sync()
+                        wall = time.perf_counter() - start
+                    rows[key] = out[0, args.prompt_tokens:]
+                    report["float8"][f"{key}_tok_s"] = round(args.new_tokens / wall, 1)
+                    if args.profile_steps:
+                        report["float8"][f"{key}_profile"] = profile_generate(target, ids, run_options, args,
+                                                                              f"float8 {key}")
+            except Exception as error:  # noqa: BLE001 (another setting failing is a finding; the default's is a bug)
+                if inductor == "default":
+                    raise
+                report["float8"][f"{key}_tok_s"] = f"failed: {type(error).__name__}: {str(error)[:300]}"
+                torch._dynamo.reset()
+            default_key = base + key[len(base):].replace(f"_{inductor}".replace("-", "_"), "", 1)
+            if inductor != "default" and key in rows and default_key in rows:  # the same model, another setting
+                report["float8"][f"{key}_tokens_equal_to_default"] = round(
+                    float((rows[key] == rows[default_key]).float().mean()), 3)
             print(json.dumps({key: report["float8"][f"{key}_tok_s"]}), flush=True)
             dump(report, args)  # each figure as soon as it exists
         del target

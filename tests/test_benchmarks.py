@@ -51,6 +51,7 @@ def _serving_parts(out: Path, stdout: str):
     # each model again under another Inductor setting (--float8-inductor), compared with the default's tokens
     assert batch1["bf16_fused_pdl_tokens_equal_to_bf16"] == 1.0, batch1
     assert batch1["bf16_fused_layers_4_tokens_equal_to_bf16"] == 1.0, batch1
+    assert batch1["bf16_fused_layers_4_eager_commit_tokens_equal_to_default"] == 1.0, batch1
     # the arrivals with the engine's two-call attention and with one padded call (a same-machine comparison)
     arrivals = [r for r in report["core"] if r["arrival"] != "all at once"]
     assert sorted((r["setting"], r["split_attention"], r["graph_pool"]) for r in arrivals) == [

@@ -114,15 +114,18 @@ def test_an_output_dir_holding_checkpoints_is_refused_before_the_data(trained, t
 def test_every_rank_of_a_launch_refuses_in_one_line_and_none_hangs(trained, tmp_path, launcher):
     """torchrun or `accelerate launch --cpu`, 2 gloo ranks, an output_dir that already holds checkpoints: each rank
     prints the refusal and exits 2 (before, rank 0 refused and rank 1 blocked in a collective until gloo timed
-    out)."""
+    out). The launcher polls its ranks every `--monitor-interval` seconds and stops the others at the first
+    failure it sees: at its default 0.1 s a loaded machine's slower rank was stopped before it reached its
+    refusal, so the launcher here looks every 10 s (a rank that hung would still be stopped then)."""
     from tests.utils import free_port
 
     path = write_config(tmp_path, trained)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    launch = {"torchrun": ["torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())],
+    launch = {"torchrun": ["torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                           "--monitor-interval", "10"],
               "accelerate": ["accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
                              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-                             str(free_port())]}[launcher]
+                             str(free_port()), "--monitor_interval", "10"]}[launcher]
     run = subprocess.run([sys.executable, "-m", *launch, os.path.join(ROOT, "examples", "pretrain.py"), "--config",
                           path], capture_output=True, text=True, env=env, timeout=240)
     assert run.returncode != 0

@@ -95,9 +95,15 @@ def _step_shapes(out: Path, stdout: str):
     assert all(run["attention_padding"] >= 1.0 and run["token_padding"] >= 1.0 for run in runs), runs
 
 
+def _commit_kernels(out: Path, stdout: str):
+    # every form of a step's vocabulary-sized work decides the eager form's tokens (log and exp Gumbel forms too)
+    rows = json.loads((out / "commit_kernels.json").read_text())["rows"]
+    assert len(rows) == 5 and all(r["tokens_equal_to_eager"] == 1.0 and r["ms"] > 0 for r in rows), rows
+
+
 # what a script's --tiny output must hold beyond its exit status
 CHECKS = {"serving_throughput.py": _serving_parts, "engine_compile_time.py": _compile_time_split,
-          "step_shapes.py": _step_shapes}
+          "step_shapes.py": _step_shapes, "commit_kernels.py": _commit_kernels}
 
 
 @pytest.mark.parametrize("name,options", [(name, ()) for name in SCRIPTS] + EXTRA_RUNS)

@@ -897,12 +897,13 @@ def float8_benchmark(model, args, report):
                                          calibrate=calibrate if scheme == "static" else None)
         for (inductor, commit) in ((i, c) for i in inductors for c in commits):
             # one model, its compiled forward shared by the commit forms; recompiled for each Inductor setting
-            key = base + ("" if inductor == "default" else f"_{inductor}".replace("-", "_"))
-            key += "" if commit == "compiled" else f"_{commit}_commit".replace("-", "_")
+            commit_part = "" if commit == "compiled" else f"_{commit}_commit".replace("-", "_")
+            default_key = base + commit_part  # the same model and commit under the default setting
+            key = base + ("" if inductor == "default" else f"_{inductor}".replace("-", "_")) + commit_part
             if inductor != inductors[0] and commit == commits[0]:
                 torch._dynamo.reset()
             patch, choice, layers = INDUCTOR_VARIANTS[inductor]
-            missing = [name for name in patch if name not in torch._inductor.config._config]
+            missing = [setting for setting in patch if setting not in torch._inductor.config._config]
             if missing:  # an older torch: said in the report, the other settings still run
                 report["float8"][f"{key}_tok_s"] = f"not in this torch's Inductor config: {missing}"
                 print(f"float8: {key} skipped ({missing} not in this torch's Inductor config)", flush=True)
@@ -928,8 +929,7 @@ def float8_benchmark(model, args, report):
                     raise
                 report["float8"][f"{key}_tok_s"] = f"failed: {type(error).__name__}: {str(error)[:300]}"
                 torch._dynamo.reset()
-            default_key = base + key[len(base):].replace(f"_{inductor}".replace("-", "_"), "", 1)
-            if inductor != "default" and key in rows and default_key in rows:  # the same model, another setting
+            if key != default_key and key in rows and default_key in rows:  # the same model, another setting
                 report["float8"][f"{key}_tokens_equal_to_default"] = round(
                     float((rows[key] == rows[default_key]).float().mean()), 3)
             print(json.dumps({key: report["float8"][f"{key}_tok_s"]}), flush=True)

@@ -158,9 +158,8 @@ class CompiledStaticForward:
             if i % group:
                 return hidden_states
             members = tuple(layers[i : i + group])
-            past_keys, past_values = (None, None) if past is None else (
-                tuple(past[0][j] for j in range(i, i + len(members))),
-                tuple(past[1][j] for j in range(i, i + len(members))))
+            past_keys, past_values = (None, None) if past is None else (tuple(past[0][i : i + group]),
+                                                                        tuple(past[1][i : i + group]))
             hidden_states, keys, values = self.layer_step(members, hidden_states, mask, position_embeddings,
                                                           past_keys, past_values, slots, in_place)
             fresh.extend(zip(keys, values))
